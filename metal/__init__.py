@@ -1,0 +1,1 @@
+"""GPU kernel sources (one body per kernel, small per-backend headers)."""
