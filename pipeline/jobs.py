@@ -22,16 +22,15 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 from .errors import JobFileError, PageRangeError
 from .pages import parse_page_ranges
 
 try:  # the quantizer owns the list of widths; fall back if it is not there yet
-    from turboquant.widths import ALLOWED_KV_BITS, resolve_bits
+    from turboquant.widths import ALLOWED_COMPONENT_BITS, ALLOWED_KV_BITS
 except ImportError:  # pragma: no cover
-    ALLOWED_KV_BITS = (2, 2.5, 3, 3.5, 4)
-    resolve_bits = None
+    ALLOWED_KV_BITS, ALLOWED_COMPONENT_BITS = (2, 2.5, 3, 3.5, 4), (1, 2, 3, 4)
 
 AFFINE_KV_BITS = (4, 8)
 
@@ -50,11 +49,12 @@ class TaskSpec(_Spec):
     format: Literal["text", "json"] = "text"
     fields: list[str] | None = None  # json: the keys the answer should have
 
-    @model_validator(mode="after")
-    def _fields_need_json(self) -> "TaskSpec":
-        if self.fields is not None and self.format != "json":
-            raise ValueError("'fields' is only meaningful with format: json")
-        return self
+    @field_validator("fields")
+    @classmethod
+    def _fields_need_json(cls, v: list[str] | None, info: ValidationInfo) -> list[str] | None:
+        if v is not None and info.data.get("format") != "json":
+            raise ValueError("only meaningful with format: json")
+        return v
 
 
 class ModelSpec(_Spec):
@@ -75,22 +75,28 @@ class CacheSpec(_Spec):
     window: int = Field(128, ge=0)
     prefill_chunk: int = Field(512, gt=0)
 
-    @model_validator(mode="after")
-    def _check_widths(self) -> "CacheSpec":
-        if self.kv_quant_scheme == "turboquant":
-            if self.kv_bits not in ALLOWED_KV_BITS:
-                raise ValueError(
-                    f"kv_bits {self.kv_bits:g} is not allowed with turboquant; "
-                    f"choose one of {', '.join(f'{b:g}' for b in ALLOWED_KV_BITS)}"
-                )
-            if resolve_bits is not None:
-                resolve_bits(self.kv_bits, self.key_bits, self.value_bits)  # ValueError names the key
-        elif self.kv_quant_scheme == "affine":
-            if self.kv_bits not in AFFINE_KV_BITS:
-                raise ValueError(f"kv_bits {self.kv_bits:g} is not allowed with affine; choose 4 or 8")
-            if self.key_bits is not None or self.value_bits is not None:
-                raise ValueError("key_bits/value_bits only apply to kv_quant_scheme: turboquant")
-        return self
+    # Field validators (not one model validator) so the error names the exact key.
+    @field_validator("kv_bits")
+    @classmethod
+    def _check_kv_bits(cls, v: float, info: ValidationInfo) -> float:
+        scheme = info.data.get("kv_quant_scheme")
+        if scheme == "turboquant" and v not in ALLOWED_KV_BITS:
+            allowed = ", ".join(f"{b:g}" for b in ALLOWED_KV_BITS)
+            raise ValueError(f"{v:g} is not allowed with turboquant; choose one of {allowed}")
+        if scheme == "affine" and v not in AFFINE_KV_BITS:
+            raise ValueError(f"{v:g} is not allowed with affine; choose 4 or 8")
+        return v
+
+    @field_validator("key_bits", "value_bits")
+    @classmethod
+    def _check_side_bits(cls, v: int | None, info: ValidationInfo) -> int | None:
+        if v is None:
+            return v
+        if info.data.get("kv_quant_scheme") != "turboquant":
+            raise ValueError("only applies to kv_quant_scheme: turboquant")
+        if v not in ALLOWED_COMPONENT_BITS:
+            raise ValueError(f"{v} is not allowed; choose one of {', '.join(map(str, ALLOWED_COMPONENT_BITS))}")
+        return v
 
 
 class ContextSpec(_Spec):
@@ -212,7 +218,10 @@ def _check_filesystem(job: Job, shown: str) -> None:
         except JobFileError as e:
             raise JobFileError(shown, key, e.problem) from None
         if not refs:
-            raise JobFileError(shown, key, f"{_raw(item)!r} matches no PDF or image files")
+            raw = _raw(item)
+            if any(c in raw for c in "*?[") or job.resolve(raw).exists():
+                raise JobFileError(shown, key, f"{raw!r} matches no PDF or image files")
+            raise JobFileError(shown, key, f"{str(job.resolve(raw))!r} does not exist")
     out = job.output_path
     if out.is_dir():
         raise JobFileError(shown, "output", f"{job.spec.output!r} is a folder; give a .jsonl file path")
@@ -256,7 +265,7 @@ def _yaml_problem(e: yaml.MarkedYAMLError) -> str:
     mark = e.problem_mark or e.context_mark
     where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
     what = e.problem or e.context or "invalid YAML"
-    return f"YAML syntax error at {where}{what}"
+    return f"invalid YAML at {where}{what}"
 
 
 def _loc(loc: tuple) -> str:
@@ -277,7 +286,7 @@ def _first_problem(e: ValidationError) -> tuple[str | None, str]:
     err = errors[0]
     key = _loc(err["loc"]) or None
     problem = _problem(err, key)
-    others = {_loc(x["loc"]) for x in errors[1:]} - {key or ""}
+    others = {k for x in errors[1:] if not (k := _loc(x["loc"])).startswith(key or "\0")}
     if others:
         problem += f" (also check: {', '.join(sorted(others)[:3])}{', ...' if len(others) > 3 else ''})"
     return key, problem
