@@ -1,0 +1,98 @@
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from turboquant.codec import QuantizedVectors, TurboQuantCodec
+from turboquant.packing import packed_words
+from turboquant.rotation import HadamardRotation
+
+
+def _unit(n, d, seed=0):
+    x = mx.random.normal((n, d), key=mx.random.key(seed))
+    return x / mx.linalg.norm(x, axis=-1, keepdims=True)
+
+
+@pytest.mark.parametrize("dim", [64, 80, 96, 128, 256])
+@pytest.mark.parametrize("bits", [1, 2, 3, 4])
+def test_unit_vector_mse_near_lloyd_max(dim, bits):
+    codec = TurboQuantCodec(dim, bits, HadamardRotation(dim, seed=dim + bits), norm_mode="lsq")
+    x = _unit(2000, dim, seed=bits)
+    q = codec.quantize(x)
+    assert q.packed.dtype == mx.uint32 and q.packed.shape == (2000, packed_words(dim, bits))
+    assert q.norms.dtype == mx.float16 and q.norms.shape == (2000,)
+    err = float(((codec.dequantize(*q) - x) ** 2).sum(-1).mean())
+    # LSQ scaling can only lower the plain Lloyd-Max error (a few % at 1 bit).
+    lm = codec.codebook.mse
+    assert 0.80 * lm < err < 1.03 * lm
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_preserve_mode_keeps_norm_exactly(bits):
+    codec = TurboQuantCodec(128, bits, HadamardRotation(128, 5))
+    x = 3.0 * mx.random.normal((500, 128), key=mx.random.key(1)) + 0.5
+    rec = codec.dequantize(*codec.quantize(x))
+    np.testing.assert_allclose(
+        np.linalg.norm(np.array(rec), axis=-1), np.linalg.norm(np.array(x), axis=-1), rtol=2e-3
+    )
+    rel = float((((rec - x) ** 2).sum(-1) / (x * x).sum(-1)).mean())
+    # preserve costs a little over the Lloyd-Max error, never more than ~5%
+    assert rel < 1.05 * codec.codebook.mse + 0.005
+
+
+def test_rotated_paths_agree_and_leading_shapes():
+    rot = HadamardRotation(128, 9)
+    codec = TurboQuantCodec(128, 3, rot)
+    x = mx.random.normal((2, 4, 7, 128), key=mx.random.key(2))
+    q1 = codec.quantize(x)
+    q2 = codec.quantize_rotated(rot.forward(x))
+    assert isinstance(q1, QuantizedVectors) and q1.packed.shape == (2, 4, 7, 12)
+    np.testing.assert_array_equal(np.array(q1.packed), np.array(q2.packed))
+    yr = codec.dequantize_rotated(*q1)
+    np.testing.assert_allclose(np.array(rot.inverse(yr)), np.array(codec.dequantize(*q1)), atol=1e-5)
+    assert yr.dtype == mx.float32
+
+
+def test_inner_products_unbiased_enough():
+    codec = TurboQuantCodec(128, 4, HadamardRotation(128, 3))
+    k = mx.random.normal((4000, 128), key=mx.random.key(4))
+    q = mx.random.normal((128,), key=mx.random.key(5))
+    exact = np.array(k @ q)
+    approx = np.array(codec.dequantize(*codec.quantize(k)) @ q)
+    corr = np.corrcoef(exact, approx)[0, 1]
+    assert corr > 0.99
+
+
+def test_zero_and_float16_inputs():
+    codec = TurboQuantCodec(128, 3)
+    for mode in ("preserve", "lsq"):
+        c = TurboQuantCodec(128, 3, norm_mode=mode)
+        q = c.quantize(mx.zeros((3, 128), dtype=mx.float16))
+        rec = c.dequantize(*q)
+        assert not np.isnan(np.array(rec)).any() and float(mx.abs(rec).max()) == 0.0
+    x = mx.random.normal((10, 128)).astype(mx.float16)
+    assert codec.dequantize(*codec.quantize(x)).dtype == mx.float32
+
+
+def test_mse_check_detects_a_broken_index():
+    # Guards the MSE test above: a codec that picks the wrong cells fails it.
+    x = _unit(1000, 128)
+    codec = TurboQuantCodec(128, 3, norm_mode="lsq")
+    good = float(((codec.dequantize(*codec.quantize(x)) - x) ** 2).sum(-1).mean())
+    codec._index = lambda u: mx.zeros(u.shape, mx.uint8) + 3
+    bad = float(((codec.dequantize(*codec.quantize(x)) - x) ** 2).sum(-1).mean())
+    assert good < 0.036 and bad > 10 * good
+
+
+def test_byte_budget_matches_issue():
+    k3, v4 = TurboQuantCodec(128, 3), TurboQuantCodec(128, 4)
+    assert k3.bytes_per_vector + v4.bytes_per_vector == 116
+    assert TurboQuantCodec(128, 2).bytes_per_vector + k3.bytes_per_vector == 84
+
+
+def test_errors_are_clear():
+    with pytest.raises(ValueError, match="rotation has dim 64"):
+        TurboQuantCodec(128, 3, HadamardRotation(64))
+    with pytest.raises(ValueError, match="norm_mode"):
+        TurboQuantCodec(128, 3, norm_mode="nope")
+    with pytest.raises(ValueError, match="expected 128"):
+        TurboQuantCodec(128, 3).quantize_rotated(mx.zeros((2, 64)))
