@@ -1,0 +1,304 @@
+"""Discovery, hashing and ingestion of PDFs and image sets (pipeline.ingest)."""
+
+import time
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+from pipeline import ingest as ingest_mod
+from pipeline.errors import IngestError
+from pipeline.ingest import DocumentRef, content_hash, discover, ingest, natural_key
+from pipeline.jobs import ContextSpec, load_job
+from pipeline.samples import (
+    IMAGESET_PAGES,
+    SAMPLE_FACTS,
+    make_broken_page_pdf,
+    make_corrupt_pdf,
+    make_encrypted_pdf,
+    make_image_set,
+    make_long_pdf,
+    make_text_pdf,
+    write_samples,
+)
+
+EMPTY_PDF = (
+    b"%PDF-1.4\n1 0 obj\n<< /Type /Catalog /Pages 2 0 R >>\nendobj\n"
+    b"2 0 obj\n<< /Type /Pages /Kids [] /Count 0 >>\nendobj\ntrailer\n<< /Root 1 0 R >>\n%%EOF\n"
+)
+
+
+@pytest.fixture(scope="module")
+def samples(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("samples")
+    write_samples(d)
+    return d
+
+
+def pdf_ref(path: Path) -> DocumentRef:
+    return DocumentRef(source=path, kind="pdf", doc_id=path.name)
+
+
+def job_in(d: Path, inputs: str):
+    (d / "job.yaml").write_text(f"name: t\ninputs: {inputs}\ntasks: [{{name: a, prompt: hi}}]\noutput: o.jsonl\n")
+    return load_job(d / "job.yaml")
+
+
+# -- discovery --------------------------------------------------------------
+
+
+def test_natural_sort():
+    names = ["page10.png", "Page2.png", "page1.png", "page1b.png"]
+    assert sorted(names, key=natural_key) == ["page1.png", "page1b.png", "Page2.png", "page10.png"]
+
+
+def test_discover_folder_globs_and_dedupe(tmp_path):
+    docs = tmp_path / "in"
+    for name in ("r10.pdf", "r9.pdf", "R1.PDF"):
+        make_text_pdf(docs / name, [name])
+    make_image_set(docs / "scan2", {"p10.png": "c", "p2.png": "b", "p1.png": "a"})
+    make_image_set(docs / "scan10", {"x.png": "x"})
+    (docs / "empty_sub").mkdir()
+    (docs / "readme.txt").write_text("ignored")
+    job = job_in(tmp_path, "[in/, 'in/r*.pdf', in/r9.pdf]")
+    refs = discover(job)
+    assert [(r.kind, r.doc_id) for r in refs] == [
+        ("pdf", "in/R1.PDF"),
+        ("pdf", "in/r9.pdf"),
+        ("pdf", "in/r10.pdf"),
+        ("images", "in/scan2"),
+        ("images", "in/scan10"),
+    ]  # the glob and the explicit file named PDFs already found: no duplicates
+    scan = refs[3]
+    assert [m.name for m in scan.members] == ["p1.png", "p2.png", "p10.png"]
+    assert all(r.source.is_absolute() for r in refs)
+
+
+def test_image_set_input_is_one_document(tmp_path):
+    make_image_set(tmp_path / "shots", {"img10.png": "c", "img2.png": "b", "img1.png": "a", "other.png": "o"})
+    job = job_in(tmp_path, "[{images: 'shots/img*.png'}, {images: shots}]")
+    glob_ref, folder_ref = discover(job)
+    assert glob_ref.kind == folder_ref.kind == "images"
+    assert glob_ref.doc_id == "shots/img*.png"
+    assert [m.name for m in glob_ref.members] == ["img1.png", "img2.png", "img10.png"]
+    assert [m.name for m in folder_ref.members] == ["img1.png", "img2.png", "img10.png", "other.png"]
+
+
+def test_single_image_file_is_a_one_page_document(tmp_path):
+    make_image_set(tmp_path, {"photo.png": "hello"})
+    (ref,) = discover(job_in(tmp_path, "[photo.png]"))
+    doc = ingest(ref, ContextSpec())
+    assert ref.kind == "images" and doc.page_count == 1 and doc.pages[0].image is not None
+
+
+def test_doc_id_outside_job_folder(tmp_path):
+    make_text_pdf(tmp_path / "data" / "x.pdf", ["x"])
+    (tmp_path / "jobs").mkdir()
+    (ref,) = discover(job_in(tmp_path / "jobs", "[../data/]"))
+    assert ref.doc_id == "../data/x.pdf"
+
+
+# -- hashing ----------------------------------------------------------------
+
+
+def test_content_hash_tracks_bytes(tmp_path, samples):
+    a = tmp_path / "a.pdf"
+    a.write_bytes((samples / "report.pdf").read_bytes())
+    h1 = content_hash(pdf_ref(a))
+    assert h1.startswith("sha256:") and len(h1) == 7 + 64
+    assert content_hash(pdf_ref(samples / "report.pdf")) == h1  # same bytes, other path
+    a.write_bytes(a.read_bytes() + b"\n")
+    assert content_hash(pdf_ref(a)) != h1
+
+
+def test_image_set_hash_covers_names_and_bytes(tmp_path):
+    make_image_set(tmp_path / "s", {"a.png": "one", "b.png": "two"})
+    job = job_in(tmp_path, "[{images: s}]")
+    h1 = content_hash(discover(job)[0])
+    (tmp_path / "s" / "b.png").rename(tmp_path / "s" / "c.png")
+    h2 = content_hash(discover(job)[0])
+    assert h1 != h2
+    assert content_hash(discover(job)[0]) == h2
+
+
+# -- text, scanned and image documents -----------------------------------------
+
+
+def test_text_pdf(samples):
+    doc = ingest(pdf_ref(samples / "report.pdf"), ContextSpec())
+    assert doc.page_count == 4 and [p.number for p in doc.pages] == [1, 2, 3, 4]
+    assert not any(p.scanned or p.image is not None for p in doc.pages)  # images: auto, nothing scanned
+    assert "Total income: $482,310.75" in doc.pages[2].text
+    assert doc.skipped_pages == [] and doc.notes == []
+    text = doc.text()
+    assert text.startswith("[Page 1]\nAnnual Report 2023")
+    assert text.index("[Page 3]") < text.index("$482,310.75") < text.index("[Page 4]")
+    assert "[Page" not in doc.text(markers=False)
+    assert doc.content_hash == content_hash(doc.ref)
+
+
+def test_images_always_at_dpi(samples):
+    doc = ingest(pdf_ref(samples / "invoice.pdf"), ContextSpec(images="always", dpi=36))
+    assert all(p.image is not None and p.image.size == (298, 421) and p.image.mode == "RGB" for p in doc.pages)
+    doc144 = ingest(pdf_ref(samples / "invoice.pdf"), ContextSpec(images="always", dpi=144), pages="1")
+    assert doc144.pages[0].image.size == (1190, 1684)
+    assert "EUR 1,932.40" in doc.pages[1].text  # text is still extracted
+
+
+def test_scanned_pdf_auto_and_never(samples):
+    auto = ingest(pdf_ref(samples / "scanned.pdf"), ContextSpec())
+    assert [p.scanned for p in auto.pages] == [True, True]
+    assert all(p.text.strip() == "" and p.image is not None for p in auto.pages)
+    # the rendered page is a picture of the text, not blank
+    lo, hi = auto.pages[0].image.convert("L").getextrema()
+    assert lo < 100 < hi
+    never = ingest(pdf_ref(samples / "scanned.pdf"), ContextSpec(images="never"))
+    assert all(p.image is None and p.scanned for p in never.pages)
+    assert any("looks scanned" in n and "page 1" in n for n in never.notes)
+
+
+def test_image_set_pages_in_natural_order(samples):
+    job = job_in(samples.parent, f"[{{images: {samples.name}/imageset}}]")
+    (ref,) = discover(job)
+    doc = ingest(ref, ContextSpec())
+    assert doc.page_count == 3 and [p.number for p in doc.pages] == [1, 2, 3]
+    expected = ["page1.png", "page2.png", "page10.png"]
+    assert sorted(IMAGESET_PAGES, key=natural_key) == expected
+    for page, name in zip(doc.pages, expected):
+        with Image.open(samples / "imageset" / name) as im:
+            assert page.image.tobytes() == im.convert("RGB").tobytes()
+        assert page.scanned and page.text == ""
+    with pytest.raises(IngestError, match="images: never"):
+        ingest(ref, ContextSpec(images="never"))
+
+
+def test_sample_facts_reach_the_text(samples):
+    for name, facts in SAMPLE_FACTS.items():
+        if name == "scanned.pdf":
+            continue  # pictures only: the facts are in the images
+        text = ingest(pdf_ref(samples / name), ContextSpec()).text()
+        for key, value in facts.items():
+            assert value in text.replace("\n", " "), (name, key)
+
+
+# -- page selection ---------------------------------------------------------
+
+
+def test_page_selection(samples):
+    ref = pdf_ref(samples / "report.pdf")
+    doc = ingest(ref, ContextSpec(pages="2,-1"))
+    assert [p.number for p in doc.pages] == [2, 4] and doc.page_count == 4
+    assert doc.pages[1].text.startswith("Outlook")
+    override = ingest(ref, ContextSpec(pages="2,-1"), pages="1-2")  # CLI --pages wins
+    assert [p.number for p in override.pages] == [1, 2]
+    with pytest.raises(IngestError) as e:
+        ingest(ref, ContextSpec(pages="1-20"))
+    msg = str(e.value)
+    assert msg.startswith(str(ref.source)) and "page 20 is out of range: the document has 4 page(s)" in msg
+
+
+# -- broken documents -------------------------------------------------------
+
+
+def test_zero_byte_corrupt_encrypted_empty(tmp_path):
+    (tmp_path / "zero.pdf").write_bytes(b"")
+    (tmp_path / "empty.pdf").write_bytes(EMPTY_PDF)
+    (tmp_path / "text.pdf").write_text("just some text, not a PDF\n" * 20)
+    cases = {
+        "zero.pdf": "zero-byte file",
+        make_corrupt_pdf(tmp_path / "corrupt.pdf").name: "not a readable PDF",
+        "text.pdf": "not a readable PDF",
+        make_encrypted_pdf(tmp_path / "locked.pdf").name: "encrypted PDF",
+        "empty.pdf": "empty PDF: it has 0 pages",
+    }
+    for name, fragment in cases.items():
+        with pytest.raises(IngestError) as e:
+            ingest(pdf_ref(tmp_path / name), ContextSpec())
+        assert str(e.value).startswith(str(tmp_path / name) + ": ") and fragment in str(e.value), str(e.value)
+
+
+def test_vanished_file_is_an_ingest_error(tmp_path):
+    with pytest.raises(IngestError, match="gone.pdf: cannot read file"):
+        ingest(pdf_ref(tmp_path / "gone.pdf"), ContextSpec())
+
+
+def test_broken_page_is_skipped_with_a_note(tmp_path, monkeypatch):
+    path = make_broken_page_pdf(tmp_path / "b.pdf", pages=5, broken=(3,))
+    calls = []
+    real = ingest_mod._read_pdf_page
+    monkeypatch.setattr(ingest_mod, "_read_pdf_page", lambda pdf, n, c: calls.append(n) or real(pdf, n, c))
+    doc = ingest(pdf_ref(path), ContextSpec(page_retries=2))  # 1 of 5 failed = 0.2 <= 0.25
+    assert [p.number for p in doc.pages] == [1, 2, 4, 5]
+    assert doc.pages[2].text.startswith("Page 4: intact")
+    assert len(doc.skipped_pages) == 1 and doc.skipped_pages[0]["page"] == 3
+    assert "zlib" in doc.skipped_pages[0]["error"]  # MuPDF's own diagnosis is kept
+    assert calls.count(3) == 3 and calls.count(1) == 1  # retried page_retries times, others once
+    assert any(n.startswith("page 3: skipped after 3 attempt(s)") for n in doc.notes)
+
+
+def test_too_many_failed_pages_fail_the_document(tmp_path):
+    path = make_broken_page_pdf(tmp_path / "b.pdf", pages=5, broken=(2, 4))
+    with pytest.raises(IngestError) as e:
+        ingest(pdf_ref(path), ContextSpec())  # 2/5 = 0.4 > 0.25
+    assert str(e.value).startswith(str(path)) and "2 of 5 selected pages" in str(e.value)
+    assert "pages 2, 4" in str(e.value)
+    doc = ingest(pdf_ref(path), ContextSpec(max_failed_page_fraction=0.5))
+    assert [p.number for p in doc.pages] == [1, 3, 5]
+    # the fraction counts SELECTED pages: page 2 alone is 100% failed
+    with pytest.raises(IngestError, match="1 of 1 selected pages"):
+        ingest(pdf_ref(path), ContextSpec(max_failed_page_fraction=1.0), pages="2")
+
+
+def test_transient_page_failure_recovers_on_retry(samples, monkeypatch):
+    real = ingest_mod._read_pdf_page
+    failures = {2: 1}  # page 2 fails once, then reads fine
+
+    def flaky(pdf, n, context):
+        if failures.get(n):
+            failures[n] -= 1
+            raise MemoryError("simulated")
+        return real(pdf, n, context)
+
+    monkeypatch.setattr(ingest_mod, "_read_pdf_page", flaky)
+    doc = ingest(pdf_ref(samples / "report.pdf"), ContextSpec(page_retries=1))
+    assert [p.number for p in doc.pages] == [1, 2, 3, 4] and doc.skipped_pages == []
+    failures[2] = 1
+    doc = ingest(pdf_ref(samples / "report.pdf"), ContextSpec(page_retries=0))
+    assert doc.skipped_pages == [{"page": 2, "error": "MemoryError: simulated"}]
+
+
+def test_partially_readable_page_is_kept_with_a_note(tmp_path):
+    import pymupdf
+
+    path = make_text_pdf(tmp_path / "p.pdf", ["first page", "second page"])
+    pdf = pymupdf.open(path)
+    xref = pdf[1].get_contents()[0]
+    pdf.update_stream(xref, b"BT /Helv 12 Tf 72 700 Td (partial text) Tj ET ((( unbalanced ] >>")
+    pdf.save(tmp_path / "q.pdf")
+    doc = ingest(pdf_ref(tmp_path / "q.pdf"), ContextSpec())
+    assert [p.number for p in doc.pages] == [1, 2] and "partial" in doc.pages[1].text
+    assert any(n.startswith("page 2: MuPDF reported problems") for n in doc.notes)
+
+
+def test_corrupt_image_in_set(tmp_path):
+    make_image_set(tmp_path / "s", {f"p{i}.png": str(i) for i in range(1, 5)})
+    data = (tmp_path / "s" / "p3.png").read_bytes()
+    (tmp_path / "s" / "p3.png").write_bytes(data[: len(data) // 3])  # truncated, like a half-copied file
+    (ref,) = discover(job_in(tmp_path, "[{images: s}]"))
+    doc = ingest(ref, ContextSpec())
+    assert [p.number for p in doc.pages] == [1, 2, 4] and doc.skipped_pages[0]["page"] == 3
+    (tmp_path / "s" / "p1.png").write_bytes(b"")
+    with pytest.raises(IngestError, match="2 of 4 selected pages"):
+        ingest(ref, ContextSpec())
+
+
+# -- speed ------------------------------------------------------------------
+
+
+def test_300_page_pdf_ingests_in_seconds(tmp_path):
+    path = make_long_pdf(tmp_path / "long.pdf", pages=300)
+    t = time.perf_counter()
+    doc = ingest(pdf_ref(path), ContextSpec())
+    elapsed = time.perf_counter() - t
+    assert len(doc.pages) == 300 and "This is page 300 of 300" in doc.pages[-1].text
+    assert elapsed < 10, f"300-page text ingest took {elapsed:.1f} s"
