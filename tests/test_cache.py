@@ -1,0 +1,138 @@
+"""TurboQuantKVCache: protocol, window/flush, growth, trim, state, bytes."""
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
+
+from turboquant.cache import TurboQuantKVCache
+from turboquant.integration import install
+
+
+def kv(B=1, H=2, L=10, D=64, seed=0, dtype=mx.float32):
+    mx.random.seed(seed)
+    k = mx.random.normal((B, H, L, D)).astype(dtype)
+    v = mx.random.normal((B, H, L, D)).astype(dtype)
+    return k, v
+
+
+def test_no_bits_attribute_and_protocol_basics():
+    c = TurboQuantKVCache(3.5)
+    # mlx-lm routes hasattr(cache, "bits") to affine attention
+    assert not hasattr(c, "bits")
+    assert (c.key_bits, c.value_bits) == (3, 4)
+    assert c.empty() and c.is_trimmable() and c.offset == 0
+    k, v = kv(L=5)
+    wk, wv = c.update_and_fetch(k, v)
+    assert c.offset == 5 and c.size() == 5 and not c.empty()
+    assert mx.array_equal(wk, k) and mx.array_equal(wv, v)
+
+
+def test_window_keeps_recent_tokens_exact_and_flushes_lazily():
+    c = TurboQuantKVCache(4, window=8)
+    k1, v1 = kv(L=20, seed=1)
+    wk, _ = c.update_and_fetch(k1, v1)
+    # the first chunk attends to itself exactly: nothing quantized yet
+    assert c.packed_len == 0 and wk.shape[2] == 20
+    k2, v2 = kv(L=3, seed=2)
+    wk, wv = c.update_and_fetch(k2, v2)
+    # 12 tokens left the window at the start of this call
+    assert c.packed_len == 12 and c.offset == 23
+    assert wk.shape[2] == 11
+    assert mx.array_equal(wk, mx.concatenate([k1[:, :, 12:], k2], axis=2))
+    assert mx.array_equal(wv, mx.concatenate([v1[:, :, 12:], v2], axis=2))
+    # centring mean comes from every token seen at the first flush
+    assert mx.allclose(c.key_mean, k1.mean(axis=2, keepdims=True), atol=1e-6)
+
+
+def test_packed_history_decodes_to_the_original_tokens():
+    c = TurboQuantKVCache(4, window=0)
+    k, v = kv(L=64, H=2, D=128, seed=3)
+    c.update_and_fetch(k, v)
+    c.update_and_fetch(*kv(L=1, H=2, D=128, seed=4))
+    assert c.packed_len == 64
+    kh = c.key_codec.dequantize(c.keys_packed[:, :, :64], c.keys_norms[:, :, :64]) + c.key_mean
+    cos = (kh * k).sum(-1) / (mx.linalg.norm(kh, axis=-1) * mx.linalg.norm(k, axis=-1))
+    assert cos.min().item() > 0.97  # 4-bit: cosine ~0.995 per vector
+
+
+def test_growth_is_geometric_not_per_token():
+    c = TurboQuantKVCache(2, window=0)
+    for i in range(3000):
+        c.update_and_fetch(*kv(L=1, D=64, seed=i % 7))
+    mx.eval(c.state)
+    assert c.packed_len == 2999
+    # x1.5 growth from 256: 256, 384, 576, ..., 3072 -> about 7 allocations
+    assert c.reallocations <= 8
+    assert c.capacity >= c.packed_len
+
+
+def test_reserve_avoids_regrowth():
+    c = TurboQuantKVCache(3, window=4)
+    c.reserve(5000)
+    for i in range(40):
+        c.update_and_fetch(*kv(L=100, seed=i % 5))
+    assert c.packed_len == 4000 - 100 - 4  # last chunk + window stay exact
+    assert c.reallocations == 1 and c.capacity >= 5000
+
+
+def test_trim_within_window_and_into_packed_region():
+    c = TurboQuantKVCache(3.5, window=4)
+    k, v = kv(L=10)
+    c.update_and_fetch(k, v)
+    c.update_and_fetch(*kv(L=2, seed=5))  # packed 6, window 6
+    assert (c.packed_len, c.offset) == (6, 12)
+    assert c.trim(3) == 3
+    assert (c.packed_len, c.offset, c.window_keys.shape[2]) == (6, 9, 3)
+    assert c.trim(5) == 5  # into the packed region: just lowers packed_len
+    assert (c.packed_len, c.offset, c.window_keys.shape[2]) == (4, 4, 0)
+    wk, _ = c.update_and_fetch(*kv(L=2, seed=6))
+    assert c.offset == 6 and wk.shape[2] == 2 and c.packed_len == 4
+    assert c.trim(100) == 6 and c.offset == 0 and c.packed_len == 0
+
+
+def test_nbytes_counts_allocation_and_used_nbytes_counts_tokens():
+    c = TurboQuantKVCache(3.5, window=0)
+    H, D = 2, 128
+    c.update_and_fetch(*kv(L=300, H=H, D=D))
+    c.update_and_fetch(*kv(L=1, H=H, D=D, seed=1))
+    mx.eval(c.state)
+    # 3-bit keys: 12 words + fp16 norm = 50 B; 4-bit values: 16 words + 2 = 66 B
+    per_token = H * (50 + 66)
+    window_and_means = c.window_keys.nbytes * 2 + c.key_mean.nbytes * 2
+    assert c.used_nbytes == 300 * per_token + window_and_means
+    assert c.nbytes == c.capacity * per_token + window_and_means
+    assert c.nbytes >= c.used_nbytes
+
+
+def test_state_round_trips_through_mlx_lm_save_and_load(tmp_path):
+    install()  # registers the class with mlx_lm.models.cache for loading
+    c = TurboQuantKVCache(2.5, window=5, seed=11)
+    c.update_and_fetch(*kv(L=30))
+    c.update_and_fetch(*kv(L=2, seed=1))
+    path = str(tmp_path / "cache.safetensors")
+    save_prompt_cache(path, [c])
+    (d,) = load_prompt_cache(path)
+    assert isinstance(d, TurboQuantKVCache)
+    assert (d.offset, d.packed_len, d.window, d.seed) == (32, 25, 5, 11)
+    assert (d.key_bits, d.value_bits) == (2, 3)
+    for a, b in zip(c.state[:8], d.state[:8]):
+        assert mx.array_equal(a, b)
+    # both continue identically
+    nk, nv = kv(L=1, seed=9)
+    assert mx.array_equal(c.update_and_fetch(nk, nv)[0], d.update_and_fetch(nk, nv)[0])
+    assert mx.array_equal(c.keys_packed[:, :, : c.packed_len], d.keys_packed[:, :, : d.packed_len])
+
+
+def test_empty_cache_state_round_trips(tmp_path):
+    install()
+    path = str(tmp_path / "empty.safetensors")
+    save_prompt_cache(path, [TurboQuantKVCache(3)])
+    (d,) = load_prompt_cache(path)
+    assert d.empty() and d.offset == 0 and d.key_bits == 3
+    d.update_and_fetch(*kv(L=3))
+    assert d.offset == 3
+
+
+def test_invalid_widths_are_rejected():
+    with pytest.raises(ValueError, match="kv_bits"):
+        TurboQuantKVCache(5)

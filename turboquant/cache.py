@@ -1,0 +1,340 @@
+"""TurboQuantKVCache: a KV cache that stores old tokens as TurboQuant codes.
+
+Layout per layer (``B`` batch, ``H`` kv heads, ``C`` capacity):
+
+* ``keys_packed``   uint32  [B, H, C, words_k]  codebook indices, rotated domain
+* ``keys_norms``    float16 [B, H, C]           corrected norms (see codec.py)
+* ``values_packed`` / ``values_norms``           the same for values
+* ``window_keys`` / ``window_values``           the most recent tokens in the
+  model's dtype, [B, H, n_window, D]
+
+Tokens ``[0, packed_len)`` live in the packed arrays and tokens
+``[packed_len, offset)`` in the exact window.  A token leaves the window
+lazily, at the *start* of the next ``update_and_fetch``: the chunk being
+processed therefore always attends to itself (and the ``window`` tokens
+before it) exactly, and ``update_and_fetch`` returns just that window; the
+attention (``turboquant.attention``) reads the packed history from the cache.
+
+Centring: keys and values are stored minus a per-(batch, head) mean taken
+from every token seen at the first quantization.  Real keys carry large
+per-channel offsets; removing them shrinks the norms the codec has to spend
+its bits on.  It is exact for attention: the packed scores get ``q·mean_k``
+back (one dot per query row) and the packed value sum gets ``mass·mean_v``.
+
+Storage grows geometrically (x1.5, rounded up to ``step`` tokens) or exactly
+to ``reserve(n)``, so appending ``n`` tokens costs O(n) copies in total.
+There is deliberately no attribute called ``bits``: mlx-lm sends any cache
+with ``bits`` to its affine quantized attention.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import mlx.core as mx
+from mlx_lm.models.base import create_causal_mask
+from mlx_lm.models.cache import _BaseCache
+
+from .codec import TurboQuantCodec
+from .packing import packed_words
+from .rotation import HadamardRotation
+from .widths import resolve_bits
+
+_DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
+
+
+def _dtype_name(dtype: mx.Dtype) -> str:
+    for name, d in _DTYPES.items():
+        if d == dtype:
+            return name
+    raise ValueError(f"TurboQuantKVCache: unsupported model dtype {dtype}")
+
+
+class TurboQuantKVCache(_BaseCache):
+    """mlx-lm/mlx-vlm KV cache with TurboQuant-compressed history.
+
+    Args:
+        kv_bits: preset width (2, 2.5, 3, 3.5, 4); see ``widths.resolve_bits``.
+        key_bits / value_bits: override either side (1..4 bits).
+        window: number of most recent tokens kept exact (model dtype).
+        seed: rotation seed; ``make_prompt_cache`` passes base seed + layer.
+    """
+
+    step = 256  # capacity granularity in tokens
+    growth = 1.5
+
+    def __init__(
+        self,
+        kv_bits: float | None = 3.5,
+        *,
+        key_bits: int | None = None,
+        value_bits: int | None = None,
+        window: int = 128,
+        seed: int = 0,
+    ):
+        if window < 0:
+            raise ValueError(f"TurboQuantKVCache: window must be >= 0, got {window}")
+        self.key_bits, self.value_bits = resolve_bits(kv_bits, key_bits, value_bits)
+        self.window = int(window)
+        self.seed = int(seed)
+        self.offset = 0
+        self.packed_len = 0
+        self.keys_packed: Optional[mx.array] = None
+        self.keys_norms: Optional[mx.array] = None
+        self.values_packed: Optional[mx.array] = None
+        self.values_norms: Optional[mx.array] = None
+        self.window_keys: Optional[mx.array] = None
+        self.window_values: Optional[mx.array] = None
+        self.key_mean: Optional[mx.array] = None
+        self.value_mean: Optional[mx.array] = None
+        self.reallocations = 0  # storage (re)allocations, for tests and stats
+        self._reserved = 0
+        self._dims: Optional[tuple[int, int]] = None
+        self.rotation = self.value_rotation = None
+        self.key_codec = self.value_codec = None
+
+    # ------------------------------------------------------------------ setup
+    def _setup(self, k_dim: int, v_dim: int) -> None:
+        """Build the rotation and codecs once the head dims are known.
+
+        Keys and values share one rotation when their dims agree (as the
+        design fixes); a model with different value dims gets a second
+        rotation of its own size from the same seed.
+        """
+        self._dims = (k_dim, v_dim)
+        self.rotation = HadamardRotation(k_dim, self.seed)
+        self.value_rotation = (
+            self.rotation if v_dim == k_dim else HadamardRotation(v_dim, self.seed)
+        )
+        self.key_codec = TurboQuantCodec(k_dim, self.key_bits, self.rotation)
+        self.value_codec = TurboQuantCodec(v_dim, self.value_bits, self.value_rotation)
+
+    @property
+    def capacity(self) -> int:
+        return 0 if self.keys_norms is None else self.keys_norms.shape[2]
+
+    @property
+    def window_len(self) -> int:
+        return self.offset - self.packed_len
+
+    def reserve(self, n_tokens: int) -> None:
+        """Allocate packed storage for ``n_tokens`` up front (no regrowth).
+
+        The pipeline knows each document's length before prefill; reserving
+        makes the whole prefill run without a single reallocation.
+        """
+        self._reserved = max(self._reserved, int(n_tokens))
+        if self.window_keys is not None and self._reserved > self.capacity:
+            self._grow(self._reserved)
+
+    def _grow(self, needed: int) -> None:
+        cap = self.capacity
+        if needed <= cap:
+            return
+        new_cap = max(needed, self._reserved, int(cap * self.growth))
+        new_cap = -(-new_cap // self.step) * self.step
+        B, H = self.window_keys.shape[:2]
+        k_dim, v_dim = self._dims
+        wk = packed_words(k_dim, self.key_bits)
+        wv = packed_words(v_dim, self.value_bits)
+        p = self.packed_len
+
+        def grown(old: Optional[mx.array], shape: tuple, dtype: mx.Dtype) -> mx.array:
+            new = mx.zeros(shape, dtype)
+            if old is not None and p > 0:
+                new[:, :, :p] = old[:, :, :p]
+            return new
+
+        self.keys_packed = grown(self.keys_packed, (B, H, new_cap, wk), mx.uint32)
+        self.values_packed = grown(self.values_packed, (B, H, new_cap, wv), mx.uint32)
+        self.keys_norms = grown(self.keys_norms, (B, H, new_cap), mx.float16)
+        self.values_norms = grown(self.values_norms, (B, H, new_cap), mx.float16)
+        self.reallocations += 1
+
+    # --------------------------------------------------------------- protocol
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """Append ``keys``/``values`` [B, H, L, D]; return the exact window.
+
+        First moves tokens that fell out of the window (from earlier calls)
+        into packed storage, so the returned window always ends with the new
+        tokens and holds at least ``min(window, offset)`` tokens before them.
+        """
+        if self._dims is None:
+            self._setup(keys.shape[-1], values.shape[-1])
+        self._flush()
+        if self.window_keys is None or self.window_keys.shape[2] == 0:
+            self.window_keys, self.window_values = keys, values
+        else:
+            self.window_keys = mx.concatenate([self.window_keys, keys], axis=2)
+            self.window_values = mx.concatenate([self.window_values, values], axis=2)
+        self.offset += keys.shape[2]
+        return self.window_keys, self.window_values
+
+    def _flush(self) -> None:
+        """Quantize the tokens beyond the exact window into packed storage."""
+        if self.window_keys is None:
+            return
+        excess = self.window_keys.shape[2] - self.window
+        if excess <= 0:
+            return
+        if self.key_mean is None:
+            # All tokens seen so far: the best estimate available at the
+            # moment the first token is quantized, fixed from then on.
+            self.key_mean = mx.mean(self.window_keys.astype(mx.float32), axis=2, keepdims=True)
+            self.value_mean = mx.mean(
+                self.window_values.astype(mx.float32), axis=2, keepdims=True
+            )
+        old_k = self.window_keys[:, :, :excess].astype(mx.float32) - self.key_mean
+        old_v = self.window_values[:, :, :excess].astype(mx.float32) - self.value_mean
+        k_packed, k_norms = self.key_codec.quantize(old_k)
+        v_packed, v_norms = self.value_codec.quantize(old_v)
+        p = self.packed_len
+        self._grow(p + excess)
+        self.keys_packed[:, :, p : p + excess] = k_packed
+        self.keys_norms[:, :, p : p + excess] = k_norms
+        self.values_packed[:, :, p : p + excess] = v_packed
+        self.values_norms[:, :, p : p + excess] = v_norms
+        self.packed_len = p + excess
+        self.window_keys = self.window_keys[:, :, excess:]
+        self.window_values = self.window_values[:, :, excess:]
+
+    def make_mask(
+        self, N: int, return_array: bool = False, window_size: Optional[int] = None
+    ) -> Any:
+        """Mask for the next ``N`` queries, over the keys ``update_and_fetch`` returns.
+
+        Without a sliding window the packed history is entirely in the past
+        of every query, so the mask only needs the window's columns (what
+        the model sees as ``keys``; mlx-vlm slices masks to that length).
+        With ``window_size`` the mask covers all ``offset + N`` columns and
+        the attention splits it at ``packed_len``.
+        """
+        if window_size is not None:
+            return create_causal_mask(N, self.offset, window_size=window_size)
+        if N == 1 and not return_array:
+            return None
+        kept = min(self.window_len, self.window)  # window left after the flush
+        if return_array:
+            return create_causal_mask(N, kept)
+        return "causal"
+
+    def size(self) -> int:
+        return self.offset
+
+    def empty(self) -> bool:
+        return self.window_keys is None and self.packed_len == 0
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    def trim(self, n: int) -> int:
+        """Drop the last ``n`` tokens; trimming into packed history just lowers
+        ``packed_len`` (the pipeline trims back to the document after each task)."""
+        n = min(self.offset, int(n))
+        new_offset = self.offset - n
+        if new_offset >= self.packed_len:
+            keep = new_offset - self.packed_len
+        else:
+            self.packed_len = new_offset
+            keep = 0
+        if self.window_keys is not None:
+            self.window_keys = self.window_keys[:, :, :keep]
+            self.window_values = self.window_values[:, :, :keep]
+        self.offset = new_offset
+        return n
+
+    # ----------------------------------------------------------------- memory
+    @property
+    def nbytes(self) -> int:
+        """Bytes *allocated*: packed storage at full capacity, the window and
+        the means.  ``used_nbytes`` counts only what holds tokens."""
+        arrays = (
+            self.keys_packed, self.keys_norms, self.values_packed, self.values_norms,
+            self.window_keys, self.window_values, self.key_mean, self.value_mean,
+        )
+        return sum(a.nbytes for a in arrays if a is not None)
+
+    @property
+    def used_nbytes(self) -> int:
+        """Bytes holding the ``offset`` cached tokens (packed + window + means)."""
+        total = 0
+        if self.keys_packed is not None and self.capacity:
+            per_token = sum(
+                a.nbytes // a.shape[2]
+                for a in (self.keys_packed, self.keys_norms, self.values_packed, self.values_norms)
+            )
+            total += per_token * self.packed_len
+        for a in (self.window_keys, self.window_values, self.key_mean, self.value_mean):
+            if a is not None:
+                total += a.nbytes
+        return total
+
+    # ------------------------------------------------------------------ state
+    _ARRAYS = (
+        "window_keys", "window_values", "keys_packed", "keys_norms",
+        "values_packed", "values_norms", "key_mean", "value_mean",
+    )
+
+    @property
+    def state(self) -> tuple:
+        """Eight array slots (None where empty) followed by the meta strings.
+
+        mlx-lm's ``save_prompt_cache`` saves only ``state`` and rebuilds with
+        ``from_state(state)``, so the meta data has to travel inside it;
+        mlx-vlm evaluates ``c.state`` after each chunk, which skips the
+        strings.  Packed arrays are sliced to ``packed_len`` (views)."""
+        p = self.packed_len
+        arrays = []
+        for name in self._ARRAYS:
+            a = getattr(self, name)
+            if a is not None and name in ("keys_packed", "keys_norms", "values_packed", "values_norms"):
+                a = a[:, :, :p]
+            arrays.append(a)
+        return tuple(arrays) + self.meta_state
+
+    @state.setter
+    def state(self, v) -> None:
+        v = tuple(v)
+        if len(v) == 2 * len(self._ARRAYS):
+            self.meta_state = v[len(self._ARRAYS) :]
+            v = v[: len(self._ARRAYS)]
+        if len(v) != len(self._ARRAYS):
+            raise ValueError(
+                f"TurboQuantKVCache.state: expected {len(self._ARRAYS)} arrays "
+                f"(+ meta), got {len(v)} entries"
+            )
+        for name, a in zip(self._ARRAYS, v):
+            if a is not None and a.size == 0 and name not in ("window_keys", "window_values"):
+                a = None  # mlx-lm saves None as an empty array
+            setattr(self, name, a)
+
+    @property
+    def meta_state(self) -> tuple[str, ...]:
+        dims = self._dims or (0, 0)
+        return tuple(
+            str(x)
+            for x in (
+                self.key_bits, self.value_bits, self.window, self.seed,
+                self.offset, self.packed_len, dims[0], dims[1],
+            )
+        )
+
+    @meta_state.setter
+    def meta_state(self, v) -> None:
+        kb, vb, window, seed, offset, packed_len, k_dim, v_dim = (int(x) for x in v)
+        self.key_bits, self.value_bits, self.window, self.seed = kb, vb, window, seed
+        self.offset, self.packed_len = offset, packed_len
+        self.reallocations, self._reserved = 0, 0
+        self._dims = None
+        self.rotation = self.value_rotation = self.key_codec = self.value_codec = None
+        if k_dim:
+            self._setup(k_dim, v_dim)
+
+    @classmethod
+    def from_state(cls, state, meta_state=None) -> "TurboQuantKVCache":
+        """Rebuild a cache (mlx-lm passes ``state``; mlx-vlm also ``meta_state``)."""
+        obj = cls.__new__(cls)
+        if meta_state is not None:
+            obj.meta_state = meta_state
+        obj.state = state
+        return obj
