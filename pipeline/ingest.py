@@ -48,9 +48,9 @@ IMAGE_SUFFIXES = frozenset({".png", ".jpg", ".jpeg", ".tif", ".tiff", ".bmp", ".
 #: scanned pages often carry a stray OCR'd page number or header.
 SCANNED_MAX_CHARS = 25
 
-# MuPDF keeps one process-wide warning buffer and is not thread-safe; reading
-# pages under one lock keeps each page's warnings attributable to that page.
-_MUPDF_LOCK = threading.Lock()
+# MuPDF keeps one process-wide warning buffer and pymupdf is not thread-safe:
+# one PDF is read at a time per process, so each page's warnings belong to it.
+_MUPDF_LOCK = threading.RLock()
 
 
 @dataclass(frozen=True)
@@ -221,11 +221,16 @@ def ingest(ref: DocumentRef, context: ContextSpec, *, pages: str | None = None) 
 
 
 def _ingest_pdf(ref: DocumentRef, context: ContextSpec, spec: str | None, digest: str) -> Document:
+    if ref.source.stat().st_size == 0:
+        raise IngestError(ref.source, "zero-byte file (still being copied?)")
+    with _MUPDF_LOCK:
+        return _read_pdf(ref, context, spec, digest)
+
+
+def _read_pdf(ref: DocumentRef, context: ContextSpec, spec: str | None, digest: str) -> Document:
     import pymupdf
 
     path = ref.source
-    if path.stat().st_size == 0:
-        raise IngestError(path, "zero-byte file (still being copied?)")
     try:
         pdf = pymupdf.open(path, filetype="pdf")
     except Exception as e:  # pymupdf raises FileDataError, RuntimeError, ...

@@ -302,3 +302,36 @@ def test_300_page_pdf_ingests_in_seconds(tmp_path):
     elapsed = time.perf_counter() - t
     assert len(doc.pages) == 300 and "This is page 300 of 300" in doc.pages[-1].text
     assert elapsed < 10, f"300-page text ingest took {elapsed:.1f} s"
+
+
+def test_scanned_detection_rule(tmp_path):
+    """Scanned = no text, or almost no text (a stray page number) on a page with images."""
+    import pymupdf
+
+    from pipeline.samples import make_scanned_pdf
+
+    scan = pymupdf.open(make_scanned_pdf(tmp_path / "s.pdf", ["scanned body text"]))
+    scan[0].insert_text((500, 820), "12")  # an OCR'd page number over the picture
+    out = pymupdf.open()
+    out.insert_pdf(scan)
+    short = out.new_page()
+    short.insert_text((72, 72), "Chapter 1")  # short text, no images: a real text page
+    out.new_page()  # blank page
+    out.save(tmp_path / "mixed.pdf")
+    doc = ingest(pdf_ref(tmp_path / "mixed.pdf"), ContextSpec())
+    assert [(p.scanned, p.image is not None) for p in doc.pages] == [(True, True), (False, False), (True, True)]
+    assert doc.pages[0].text.strip() == "12"
+
+
+def test_concurrent_ingest_from_threads(samples, tmp_path):
+    """The runner may ingest from a thread pool; MuPDF is serialized so warnings stay per page."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    broken = make_broken_page_pdf(tmp_path / "b.pdf", pages=5, broken=(3,))
+    refs = [pdf_ref(samples / "report.pdf"), pdf_ref(broken)] * 4
+    with ThreadPoolExecutor(4) as pool:
+        docs = list(pool.map(lambda r: ingest(r, ContextSpec()), refs))
+    for ref, doc in zip(refs, docs):
+        expected = [1, 2, 4, 5] if ref.source == broken else [1, 2, 3, 4]
+        assert [p.number for p in doc.pages] == expected
+        assert bool(doc.skipped_pages) == (ref.source == broken)
