@@ -116,7 +116,7 @@ def expand_input(job: Job, item: str | ImageSetInput) -> list[DocumentRef]:
     """
     if isinstance(item, ImageSetInput):
         target = job.resolve(item.images)
-        if _is_glob(item.images):
+        if _is_glob(item.images) and not target.exists():  # "scan[1]" may be a real name
             files = _images(Path(p) for p in glob.glob(str(target), recursive=True))
             return [_image_set(job, target, files)] if files else []
         if target.is_dir():
@@ -126,7 +126,7 @@ def expand_input(job: Job, item: str | ImageSetInput) -> list[DocumentRef]:
             return []
         raise JobFileError(job.path, None, f"{item.images!r} is not a folder or a glob of images")
     target = job.resolve(item)
-    if _is_glob(item):
+    if _is_glob(item) and not target.exists():
         matches = sorted((Path(p) for p in glob.glob(str(target), recursive=True)), key=natural_key)
         return [ref for m in matches for ref in _refs_for_path(job, m, explicit=False)]
     if not target.exists():

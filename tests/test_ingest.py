@@ -335,3 +335,12 @@ def test_concurrent_ingest_from_threads(samples, tmp_path):
         expected = [1, 2, 4, 5] if ref.source == broken else [1, 2, 3, 4]
         assert [p.number for p in doc.pages] == expected
         assert bool(doc.skipped_pages) == (ref.source == broken)
+
+
+def test_existing_name_with_glob_characters_is_taken_literally(tmp_path):
+    make_text_pdf(tmp_path / "scan[1].pdf", ["literal"])
+    make_text_pdf(tmp_path / "scan1.pdf", ["glob match"])
+    (ref,) = discover(job_in(tmp_path, "['scan[1].pdf']"))
+    assert ref.source.name == "scan[1].pdf"
+    (ref,) = discover(job_in(tmp_path, "['scan[0-9].pdf']"))  # no such file: a real glob
+    assert ref.source.name == "scan1.pdf"
