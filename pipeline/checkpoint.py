@@ -185,13 +185,22 @@ class ResultLog:
                 logger.warning("%s: last record had no newline; completed it", self.path)
                 return
             torn = self._torn_path()
-            with open(torn, "xb") as t:
-                t.write(tail)
-                t.flush()
-                os.fsync(t.fileno())
-            f.truncate(end)
-            f.flush()
-            os.fsync(f.fileno())
+            try:
+                with open(torn, "xb") as t:
+                    t.write(tail)
+                    t.flush()
+                    os.fsync(t.fileno())
+                f.truncate(end)
+                f.flush()
+                os.fsync(f.fileno())
+            except OSError as e:
+                # Never cut the tail without a saved copy; never append after it either.
+                if torn.exists() and f.seek(0, os.SEEK_END) == size:
+                    torn.unlink(missing_ok=True)
+                raise CheckpointError(
+                    f"{self.path}: has a torn last line ({len(tail)} bytes) that could not be moved to"
+                    f" {torn}: {e.strerror or e}; free space and rerun"
+                ) from e
             logger.warning(
                 "%s: removed a torn last line (%d bytes, from an interrupted run) and saved it to %s;"
                 " that record will be recomputed",

@@ -214,3 +214,14 @@ def test_sigkill_at_random_moments_then_rerun_gives_each_record_exactly_once(tmp
     # Torn tails (if a kill landed inside a large write) were saved, not dropped.
     for torn in tmp_path.glob("out.jsonl.torn-*"):
         assert torn.stat().st_size > 0
+
+
+def test_repair_that_cannot_save_the_torn_bytes_fails_clearly_and_changes_nothing(tmp_path, monkeypatch):
+    path = tmp_path / "out.jsonl"
+    content = checkpoint.dumps_line(rec(0)) + b'{"key": "half'
+    path.write_bytes(content)
+    # e.g. a full or read-only disk: the .torn copy cannot be written.
+    monkeypatch.setattr(ResultLog, "_torn_path", lambda self: tmp_path / "no-such-dir" / "out.jsonl.torn-x")
+    with pytest.raises(CheckpointError, match=r"out\.jsonl: has a torn last line \(13 bytes\).*rerun"):
+        ResultLog(path).open()
+    assert path.read_bytes() == content  # nothing cut without a saved copy
