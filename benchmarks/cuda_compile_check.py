@@ -1,0 +1,119 @@
+"""Compile the CUDA flavour of the TurboQuant kernels with NVRTC, no GPU needed.
+
+Device time is scarce, and a CUDA syntax error would otherwise surface only
+on the lent GPU.  This script assembles each kernel exactly as
+``mx.fast.cuda_kernel`` does (MLX's default header, our header, the generated
+``__global__`` signature, template constants, our body) and compiles it for
+sm_90 with NVRTC, printing the ptxas resource report (registers, spills).
+
+Needs (paths via environment, all from PyPI wheels / the mlx-cuda wheel):
+  TQ_NVRTC_LIB        libnvrtc.so.13         (nvidia-cuda-nvrtc)
+  TQ_CUDA_INCLUDE     CUDA headers           (nvidia-cuda-runtime, -crt)
+  TQ_MLX_INCLUDE      dir holding mlx/backend/cuda/device/*.cuh (the JIT
+                      headers MLX embeds in libmlx.so) and cccl/
+
+  python benchmarks/cuda_compile_check.py
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from turboquant.kernels import _SIGNATURES, kernel_source  # noqa: E402
+
+_CUDA_TYPES = {"float32": "float", "float16": "__half", "bfloat16": "__nv_bfloat16",
+               "uint32": "uint32_t", "int32": "int32_t"}
+
+_MLX_DEFAULT_HEADER = """
+#include "mlx/backend/cuda/device/utils.cuh"
+
+#include <cooperative_groups.h>
+
+#define inf cuda::std::numeric_limits<float>::infinity()
+
+"""
+
+
+def mlx_cuda_source(name: str, in_types: list[str], out_types: list[str],
+                    template: list[tuple[str, object]]) -> str:
+    """The translation unit ``mx.fast.cuda_kernel`` builds (MLX 0.32 build_kernel)."""
+    header, body = kernel_source(name, "cuda")
+    inputs, outputs = _SIGNATURES[name]
+    src = _MLX_DEFAULT_HEADER + header
+    src += "namespace mlx::core::cu {\n\nnamespace cg = cooperative_groups;\n\n"
+    src += f"__global__ void custom_kernel_{name}(\n"
+    args = [f"    const {_CUDA_TYPES[t]}* {n}" for n, t in zip(inputs, in_types)]
+    args += [f"    {_CUDA_TYPES[t]}* {n}" for n, t in zip(outputs, out_types)]
+    src += ",\n".join(args) + ") {\n"
+    for k, v in template:
+        if isinstance(v, str):
+            src += f"  using {k} = {_CUDA_TYPES[v]};\n"
+        else:
+            src += f"  constexpr int {k} = {v};\n"
+    src += "\n" + body + "\n}\n\n} // namespace mlx::core::cu\n"
+    return src
+
+
+def compile_cuda(src: str, name: str, arch: str = "sm_90") -> tuple[bool, str]:
+    lib = ctypes.CDLL(os.environ["TQ_NVRTC_LIB"])
+    prog = ctypes.c_void_p()
+    rc = lib.nvrtcCreateProgram(ctypes.byref(prog), src.encode(), f"{name}.cu".encode(),
+                                0, None, None)
+    assert rc == 0, rc
+    inc = [os.environ["TQ_MLX_INCLUDE"], os.path.join(os.environ["TQ_MLX_INCLUDE"], "cccl"),
+           os.environ["TQ_CUDA_INCLUDE"]]
+    opts = [f"--gpu-architecture={arch}", "--std=c++17", "--ptxas-options=-v"]
+    opts += [f"--include-path={p}" for p in inc]
+    arr = (ctypes.c_char_p * len(opts))(*[o.encode() for o in opts])
+    rc = lib.nvrtcCompileProgram(prog, len(opts), arr)
+    size = ctypes.c_size_t()
+    lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+    log = ctypes.create_string_buffer(size.value + 1)
+    lib.nvrtcGetProgramLog(prog, log)
+    lib.nvrtcDestroyProgram(ctypes.byref(prog))
+    return rc == 0, log.value.decode(errors="replace")
+
+
+CASES = [
+    ("tq_decode", ["float32", "uint32", "float16", "uint32", "float16", "float32", "float32", "int32"],
+     ["float32"] * 3,
+     [("D", 128), ("BK", 3), ("BV", 4), ("GL", 4), ("DPT", 16), ("NW", 8)]),
+    ("tq_decode", ["float32", "uint32", "float16", "uint32", "float16", "float32", "float32", "int32"],
+     ["float32"] * 3,
+     [("D", 256), ("BK", 2), ("BV", 3), ("GL", 8), ("DPT", 8), ("NW", 4)]),
+    ("tq_decode", ["float32", "uint32", "float16", "uint32", "float16", "float32", "float32", "int32"],
+     ["float32"] * 3,
+     [("D", 64), ("BK", 4), ("BV", 4), ("GL", 1), ("DPT", 16), ("NW", 8)]),
+    ("tq_decode_reduce", ["float32", "float32", "float32", "int32"], ["float32"] * 2,
+     [("D", 128), ("GL", 4)]),
+    ("tq_dequant", ["uint32", "float16", "float32", "float32", "int32"], ["float16"],
+     [("D", 128), ("BITS", 3), ("T", "float16")]),
+    ("tq_dequant", ["uint32", "float16", "float32", "float32", "int32"], ["bfloat16"],
+     [("D", 128), ("BITS", 3), ("T", "bfloat16")]),
+    ("tq_quantize", ["float16", "float32", "float32", "float32"], ["uint32", "float16"],
+     [("D", 128), ("BITS", 3), ("T", "float16")]),
+    ("tq_quantize", ["float32", "float32", "float32", "float32"], ["uint32", "float16"],
+     [("D", 64), ("BITS", 2), ("T", "float32")]),
+]
+
+
+def main() -> int:
+    failed = 0
+    for name, ins, outs, tmpl in CASES:
+        ok, log = compile_cuda(mlx_cuda_source(name, ins, outs, tmpl), name)
+        tag = ",".join(f"{k}={v}" for k, v in tmpl)
+        usage = [ln.strip() for ln in log.splitlines() if "registers" in ln or "spill" in ln]
+        print(f"{'OK  ' if ok else 'FAIL'} {name} [{tag}] {' | '.join(usage)}")
+        if not ok:
+            failed += 1
+            print(log)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,278 @@
+"""GPU kernels for the packed cache (turboquant/kernels.py, metal/).
+
+The ``gpu`` tests compare every kernel with a float64 reference computed from
+the same packed data; they skip where MLX has neither Metal nor CUDA (CI).
+The CPU tests cover what needs no GPU: dispatch, source assembly, the
+one-body rule, launch shapes, and (where NVRTC is installed) that the CUDA
+flavour compiles.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from turboquant import kernels
+from turboquant.codebooks import codebook
+from turboquant.codec import TurboQuantCodec
+from turboquant.packing import pack, packed_words, unpack
+from turboquant.rotation import HadamardRotation
+
+GPU = kernels.backend() is not None
+gpu = pytest.mark.skipif(not GPU, reason="needs an Apple (Metal) or NVIDIA (CUDA) GPU")
+
+KERNELS = ["tq_decode", "tq_decode_reduce", "tq_dequant", "tq_quantize"]
+WIDTHS = [(2, 2), (2, 3), (3, 3), (3, 4), (4, 4)]  # kv_bits 2, 2.5, 3, 3.5, 4
+
+
+# ---------------------------------------------------------------- CPU tests
+
+
+def test_mode_parsing(monkeypatch):
+    monkeypatch.delenv("TQ_KERNELS", raising=False)
+    assert kernels.mode() == "auto"
+    monkeypatch.setenv("TQ_KERNELS", " GPU ")
+    assert kernels.mode() == "gpu"
+    monkeypatch.setenv("TQ_KERNELS", "fast")
+    with pytest.raises(ValueError, match="TQ_KERNELS='fast'"):
+        kernels.mode()
+
+
+@pytest.mark.skipif(GPU, reason="checks the no-GPU dispatch")
+def test_dispatch_without_gpu(monkeypatch):
+    monkeypatch.setenv("TQ_KERNELS", "auto")
+    assert kernels.use_kernels() is False
+    monkeypatch.setenv("TQ_KERNELS", "reference")
+    assert kernels.use_kernels() is False
+    monkeypatch.setenv("TQ_KERNELS", "gpu")
+    with pytest.raises(RuntimeError, match="neither Metal nor CUDA"):
+        kernels.use_kernels()
+
+
+@pytest.mark.parametrize("be", ["metal", "cuda"])
+@pytest.mark.parametrize("name", KERNELS)
+def test_source_assembly(be, name):
+    header, body = kernels.kernel_source(name, be)
+    assert "TQ_BARRIER" in header and "tq_window" in header
+    own = (kernels.SOURCE_DIR / f"{name}.inc").read_text()
+    assert body.endswith(own) and body.index("const int tq_tid") < body.index(own)
+    if be == "metal":
+        # MLX adds Metal thread attributes only for names found in the body.
+        assert "thread_position_in_threadgroup" in body and "#include <metal_stdlib>" in header
+    else:
+        assert "threadIdx.x" in body and "__shfl_xor_sync" in header
+        assert not re.search(r"\buint\b", header + body)  # CUDA has no 'uint'
+
+
+@pytest.mark.parametrize("name", KERNELS)
+def test_bodies_are_backend_neutral(name):
+    """The body measured on CUDA is the body Metal compiles: no backend tokens."""
+    body = (kernels.SOURCE_DIR / f"{name}.inc").read_text()
+    common = (kernels.SOURCE_DIR / "tq_common.h").read_text()
+    for text in (body, common):
+        for token in ("__syncthreads", "threadIdx", "blockIdx", "__shfl", "threadgroup_barrier",
+                      "simd_", "thread_position", "__half", "device float", "metal::", "uint "):
+            assert token not in text, f"{token!r} in shared source of {name}"
+
+
+def test_unknown_backend_and_missing_source(monkeypatch, tmp_path):
+    with pytest.raises(ValueError, match="'metal' or 'cuda'"):
+        kernels.kernel_source("tq_decode", "rocm")
+    monkeypatch.setattr(kernels, "SOURCE_DIR", tmp_path)
+    with pytest.raises(FileNotFoundError, match="kernel source missing: .*backend_cuda.h"):
+        kernels.kernel_source("tq_decode", "cuda")
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("rows", [1, 4, 8])
+@pytest.mark.parametrize("n", [1, 1000, 131072])
+def test_decode_config_covers_all_tokens(d, rows, n):
+    cfg = kernels.decode_config(d, rows, 8, n)
+    assert cfg is not None
+    dpt, nw = cfg["DPT"], cfg["NW"]
+    tpt = d // dpt
+    assert d % dpt == 0 and 32 % tpt == 0  # lanes per token divide the warp
+    assert rows * dpt <= 128  # registers: queries + accumulators
+    assert nw * rows * d * 4 <= 40960  # threadgroup memory of the merge
+    step = 4 * nw * (32 // tpt)
+    assert cfg["TOKS"] % step == 0
+    assert (cfg["S"] - 1) * cfg["TOKS"] < n <= cfg["S"] * cfg["TOKS"]
+
+
+def test_decode_config_rejects_uncovered_shapes():
+    assert kernels.decode_config(80, 4, 8, 100) is None  # 80/16 lanes per token
+    assert kernels.decode_config(512, 1, 8, 100) is None
+
+
+def test_reference_fallback_on_cpu(monkeypatch):
+    """Without a GPU, kernels.turboquant_attention is the reference path."""
+    from turboquant.attention import turboquant_attention as reference
+    from turboquant.cache import TurboQuantKVCache
+
+    monkeypatch.setenv("TQ_KERNELS", "reference")
+    mx.random.seed(0)
+    cache = TurboQuantKVCache(kv_bits=3.5, window=8)
+    k = mx.random.normal((1, 2, 40, 64))
+    v = mx.random.normal((1, 2, 40, 64))
+    cache.update_and_fetch(k, v)
+    wk, wv = cache.update_and_fetch(k[:, :, :1], v[:, :, :1])
+    assert cache.packed_len > 0
+    q = mx.random.normal((1, 8, 1, 64))
+    out = kernels.turboquant_attention(q, wk, wv, cache, 0.125)
+    assert mx.array_equal(out, reference(q, wk, wv, cache, 0.125))
+
+
+@pytest.mark.skipif(not os.environ.get("TQ_NVRTC_LIB"), reason="NVRTC not configured (see benchmarks/cuda_compile_check.py)")
+def test_cuda_sources_compile_with_nvrtc():
+    import sys
+
+    sys.path.insert(0, str(kernels.SOURCE_DIR.parent / "benchmarks"))
+    from cuda_compile_check import CASES, compile_cuda, mlx_cuda_source
+
+    for name, ins, outs, tmpl in CASES:
+        ok, log = compile_cuda(mlx_cuda_source(name, ins, outs, tmpl), name)
+        assert ok, f"{name} {tmpl}:\n{log}"
+        assert "0 bytes spill stores" in log, log
+
+
+# ---------------------------------------------------------------- GPU tests
+
+
+def _packed_tensor(rng, B, H, cap, d, bits, n, structured=False):
+    """Random (or structured) indices and norms in a cache-shaped buffer."""
+    idx = rng.integers(0, 1 << bits, size=(B, H, cap, d))
+    if structured:  # long runs of the extreme code + huge/small norms
+        idx[..., : n // 2, :] = (1 << bits) - 1
+    norms = rng.uniform(0.5, 3.0, size=(B, H, cap)).astype(np.float16)
+    if structured:
+        norms[..., ::7] = 12.0
+    words = pack(mx.array(idx.astype(np.uint32)), bits)
+    return words, mx.array(norms), idx
+
+
+def _reference_decode(q_rot, idx_k, nk, idx_v, nv, ck, cv, n):
+    """float64 softmax attention on the dequantized rotated vectors."""
+    K = ck[idx_k[:, :, :n]] * nk[:, :, :n, None].astype(np.float64)
+    V = cv[idx_v[:, :, :n]] * nv[:, :, :n, None].astype(np.float64)
+    s = np.einsum("bhrd,bhtd->bhrt", q_rot, K)
+    m = s.max(-1, keepdims=True)
+    p = np.exp(s - m)
+    l = p.sum(-1, keepdims=True)
+    return np.einsum("bhrt,bhtd->bhrd", p / l, V), (m + np.log(l))[..., 0]
+
+
+def _rel(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30)
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("bits", WIDTHS)
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("gqa", [1, 4, 8])
+def test_decode_matches_reference(bits, d, gqa):
+    bk, bv = bits
+    rng = np.random.default_rng(d * 100 + gqa * 10 + bk)
+    B, H, L = 1, 2, 1 if gqa > 1 else 2
+    for n, cap, structured in ((1, 16, False), (3001, 3100, False), (4096, 4096, True)):
+        kw, kn, ik = _packed_tensor(rng, B, H, cap, d, bk, n, structured)
+        vw, vn, iv = _packed_tensor(rng, B, H, cap, d, bv, n, structured)
+        ck = np.asarray(codebook(bk, d).centroids)
+        cv = np.asarray(codebook(bv, d).centroids)
+        q = rng.standard_normal((B, H, gqa * L, d)) * (4.0 if structured else 1.0)
+        out, lse = kernels.decode(
+            mx.array(q.astype(np.float32)), kw, kn, vw, vn, mx.array(ck), mx.array(cv),
+            n, bk, bv,
+        )
+        ro, rl = _reference_decode(q, ik, np.asarray(kn), iv, np.asarray(vn), ck, cv, n)
+        assert _rel(out, ro) < 2e-5, (n, structured)
+        assert np.abs(np.asarray(lse) - rl).max() < 2e-4 * max(1.0, np.abs(rl).max())
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("bits", [2, 3, 4])
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_dequant_matches_codec(bits, d):
+    rng = np.random.default_rng(bits + d)
+    B, H, cap, n = 2, 3, 300, 257
+    words, norms, idx = _packed_tensor(rng, B, H, cap, d, bits, n)
+    c = np.asarray(codebook(bits, d).centroids)
+    mean = rng.standard_normal((B, H, d)).astype(np.float32)
+    out = kernels.dequantize(words, norms, mx.array(c), n, bits, d, mx.float32, mx.array(mean))
+    ref = c[idx[:, :, :n]] * np.asarray(norms)[:, :, :n, None].astype(np.float64) + mean[:, :, None]
+    assert out.shape == (B, H, n, d)
+    assert _rel(out, ref) < 1e-6
+    half = kernels.dequantize(words, norms, mx.array(c), n, bits, d, mx.float16)
+    assert half.dtype == mx.float16
+    assert _rel(half, ref - mean[:, :, None]) < 1e-3
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("bits", [2, 3, 4])
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16])
+def test_quantize_matches_codec(bits, d, dtype):
+    """Bit-identical except where rounding of the rotation moves a coordinate
+    across a boundary: such flips must be rare and only at boundaries."""
+    codec = TurboQuantCodec(d, bits, HadamardRotation(d, seed=7))
+    mx.random.seed(bits * d)
+    x = (mx.random.normal((3, 5, 64, d)) * 2.0).astype(dtype)
+    x[0, 0, 0] = 0.0  # zero vector: index of 0, norm 0
+    packed, norms = kernels.quantize(x, codec)
+    ref_p, ref_n = codec.quantize(x)
+    assert packed.shape == ref_p.shape and packed.dtype == mx.uint32
+    got, want = np.asarray(unpack(packed, bits, d)), np.asarray(unpack(ref_p, bits, d))
+    flips = got != want
+    assert flips.mean() < 1e-3
+    if flips.any():
+        y = np.asarray(codec.rotation.forward(x.astype(mx.float32)))
+        u = y / np.maximum(np.linalg.norm(y, axis=-1, keepdims=True), 1e-30)
+        b = np.asarray(codec.codebook.boundaries)
+        gap = np.abs(u[..., None] - b).min(-1)
+        assert gap[flips].max() < 1e-5
+    rows_same = ~flips.any(-1)
+    np.testing.assert_allclose(
+        np.asarray(norms, np.float32)[rows_same], np.asarray(ref_n, np.float32)[rows_same],
+        rtol=1e-3,
+    )
+
+
+def _filled_cache(kv_bits, d, h_kv, n, window=16, seed=0):
+    from turboquant.cache import TurboQuantKVCache
+
+    mx.random.seed(seed)
+    cache = TurboQuantKVCache(kv_bits=kv_bits, window=window)
+    k = mx.random.normal((1, h_kv, n, d)) + 0.5  # offset: exercises centring
+    v = mx.random.normal((1, h_kv, n, d))
+    cache.update_and_fetch(k, v)
+    return cache
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_bits", [2.5, 3.5, 4])
+@pytest.mark.parametrize("L", [1, 64])
+def test_attention_matches_reference_path(monkeypatch, kv_bits, L):
+    """Whole attention (packed + window, centring, GQA, causal mask) equals the reference."""
+    from turboquant.attention import turboquant_attention as reference
+
+    d, h_kv, g = 128, 2, 4
+    cache = _filled_cache(kv_bits, d, h_kv, 700)
+    k = mx.random.normal((1, h_kv, L, d))
+    wk, wv = cache.update_and_fetch(k, k * 0.5)
+    assert cache.packed_len > 0
+    q = mx.random.normal((1, h_kv * g, L, d))
+    mask = "causal" if L > 1 else None
+    monkeypatch.setenv("TQ_KERNELS", "gpu")
+    out = kernels.turboquant_attention(q, wk, wv, cache, d**-0.5, mask)
+    monkeypatch.setenv("TQ_KERNELS", "reference")
+    ref = reference(q, wk, wv, cache, d**-0.5, mask)
+    # prefill runs SDPA in the queries' dtype (float32 here)
+    assert _rel(out, ref) < 1e-4

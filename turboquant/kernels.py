@@ -1,0 +1,431 @@
+"""GPU kernels for the packed TurboQuant cache (sources in ``metal/``).
+
+One kernel body per operation (``metal/tq_*.inc``) is compiled for Apple GPUs
+through ``mx.fast.metal_kernel`` and for NVIDIA GPUs through
+``mx.fast.cuda_kernel``; the few places where the languages differ (thread
+indices, warp shuffles, shared-memory qualifiers, type names) live in
+``metal/backend_{metal,cuda}.{h,inc}``.  So the code timed on an H200 is the
+code a Mac compiles.
+
+Kernels:
+
+* ``decode``: split-K (flash-decoding) attention of a few query rows over the
+  packed history, all query heads of a kv head in one threadgroup (GQA without
+  repeating K/V), plus a small reduction kernel.  Returns the normalised
+  rotated-domain output and its log-sum-exp, which merge with the exact
+  window exactly like the reference path's online-softmax state.
+* ``dequant``: packed history -> rotated-domain keys/values in the model dtype,
+  for chunked prefill, which then runs MLX's fused SDPA (matrix units) over
+  ``[history; window]`` in one call.
+* ``quantize``: rotation (in-threadgroup FWHT) + codebook search + bit packing
+  + corrected norm, one launch per append.
+
+Dispatch: ``TQ_KERNELS=auto`` (default) uses the kernels when the default
+device is a GPU with a Metal or CUDA backend and the reference path
+(``turboquant.attention``) otherwise; ``gpu`` forces the kernels (error if
+there is no GPU); ``reference`` forces the pure-MLX path.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+from functools import lru_cache
+from pathlib import Path
+from typing import Optional
+
+import mlx.core as mx
+
+SOURCE_DIR = Path(__file__).resolve().parent.parent / "metal"
+MODES = ("auto", "gpu", "reference")
+LOG2E = 1.4426950408889634
+
+# name -> (input names, output names)
+_SIGNATURES = {
+    "tq_decode": (["q", "kp", "kn", "vp", "vn", "kcb", "vcb", "meta"], ["po", "pm", "pl"]),
+    "tq_decode_reduce": (["po", "pm", "pl", "meta"], ["out", "lse"]),
+    "tq_dequant": (["packed", "norms", "cb", "mean", "meta"], ["out"]),
+    "tq_quantize": (["x", "signs", "bounds", "cents"], ["packed", "norms"]),
+}
+
+
+# --------------------------------------------------------------------------
+# dispatch
+
+
+def mode() -> str:
+    """The ``TQ_KERNELS`` setting (auto|gpu|reference)."""
+    m = os.environ.get("TQ_KERNELS", "auto").strip().lower() or "auto"
+    if m not in MODES:
+        raise ValueError(f"TQ_KERNELS={m!r}: choose one of {', '.join(MODES)}")
+    return m
+
+
+def backend() -> Optional[str]:
+    """``"metal"``, ``"cuda"`` or None: which kernel language this MLX build runs."""
+    if mx.metal.is_available():
+        return "metal"
+    cuda = getattr(mx, "cuda", None)
+    if cuda is not None and cuda.is_available():
+        return "cuda"
+    return None
+
+
+def use_kernels() -> bool:
+    """Whether attention on the packed cache should run the GPU kernels."""
+    m = mode()
+    if m == "reference":
+        return False
+    be = backend()
+    if m == "gpu":
+        if be is None:
+            raise RuntimeError(
+                "TQ_KERNELS=gpu, but this MLX build has neither Metal nor CUDA "
+                "(install mlx[cuda13] on NVIDIA, or unset TQ_KERNELS)"
+            )
+        return True
+    return be is not None and mx.default_device() == mx.gpu
+
+
+# --------------------------------------------------------------------------
+# source assembly and kernel cache
+
+
+def _read(name: str) -> str:
+    path = SOURCE_DIR / name
+    try:
+        return path.read_text()
+    except FileNotFoundError:
+        raise FileNotFoundError(f"TurboQuant kernel source missing: {path}") from None
+
+
+def kernel_source(name: str, be: str) -> tuple[str, str]:
+    """(header, body) for kernel ``name`` on backend ``be`` ("metal"|"cuda").
+
+    The header is the backend header plus ``tq_common.h`` (MLX pastes it
+    before the generated signature); the body is the backend prologue plus
+    the shared ``<name>.inc``.  The prologue must sit in the body: MLX's
+    Metal path adds thread-position attributes to the signature only for
+    names it finds in the body text.
+    """
+    if be not in ("metal", "cuda"):
+        raise ValueError(f"kernel_source: backend must be 'metal' or 'cuda', got {be!r}")
+    header = _read(f"backend_{be}.h") + "\n" + _read("tq_common.h")
+    body = _read(f"backend_{be}.inc") + "\n" + _read(f"{name}.inc")
+    return header, body
+
+
+@lru_cache(maxsize=None)
+def _kernel(name: str, be: str):
+    header, body = kernel_source(name, be)
+    inputs, outputs = _SIGNATURES[name]
+    # MLX caches compiled CUDA modules on disk by kernel name (+ template
+    # args): put a hash of the source in the name so an edited source is
+    # never served from a stale cache.
+    digest = hashlib.sha1((header + body).encode()).hexdigest()[:10]
+    make = mx.fast.metal_kernel if be == "metal" else mx.fast.cuda_kernel
+    return make(
+        name=f"{name}_{digest}", input_names=inputs, output_names=outputs,
+        source=body, header=header,
+    )
+
+
+def _launch(name: str, **kw):
+    be = backend()
+    if be is None:
+        raise RuntimeError(f"{name}: no GPU backend (Metal or CUDA) in this MLX build")
+    return _kernel(name, be)(**kw)
+
+
+# --------------------------------------------------------------------------
+# decode
+
+
+def decode_config(d: int, rows: int, b_hkv: int, n: int) -> Optional[dict]:
+    """Launch shape of the split-K decode kernel, or None if unsupported.
+
+    ``DPT`` dims per lane keeps ``rows * DPT`` (queries + accumulators in
+    registers) near 64; ``D / DPT`` lanes share a token and must divide the
+    32-lane warp.  Splits target a few waves of threadgroups over the GPU
+    (``TQ_DECODE_BLOCKS``, default 528 = 4 x 132 H200 SMs).
+    """
+    dpt = int(os.environ.get("TQ_DECODE_DPT", 0)) or (16 if rows <= 4 else 8 if rows <= 8 else 4)
+    dpt = max(dpt, d // 32)
+    if d % dpt or (d // dpt) & (d // dpt - 1) or rows * dpt > 128 or d > 256:
+        return None
+    gpw = 32 // (d // dpt)
+    nw = int(os.environ.get("TQ_DECODE_NW", 0)) or 8
+    while nw > 1 and nw * rows * d * 4 > 40960:  # threadgroup memory budget
+        nw //= 2
+    step = 4 * nw * gpw  # tokens one threadgroup covers per loop step
+    target = int(os.environ.get("TQ_DECODE_BLOCKS", 528))
+    splits = max(1, -(-target // max(1, b_hkv)))
+    toks = max(step, -(-n // splits))
+    toks = -(-toks // step) * step
+    return {"DPT": dpt, "NW": nw, "TOKS": toks, "S": -(-n // toks)}
+
+
+def decode(
+    q_rot: mx.array, keys_packed: mx.array, keys_norms: mx.array,
+    values_packed: mx.array, values_norms: mx.array,
+    key_centroids: mx.array, value_centroids: mx.array,
+    n: int, key_bits: int, value_bits: int,
+) -> tuple[mx.array, mx.array]:
+    """Attention of ``q_rot`` [B, H_kv, R, D] over packed tokens ``[0, n)``.
+
+    ``q_rot`` is rotated and already multiplied by ``scale`` (the kernel
+    folds in log2(e) itself).  The packed arrays are the cache's full
+    ``[B, H_kv, capacity, words]`` storage (not sliced: a slice would be
+    copied to make it contiguous).  Returns ``(out, lse)``: the normalised
+    rotated-domain output [B, H_kv, R, Dv] float32 and the natural-log
+    log-sum-exp [B, H_kv, R] float32 of the scores.
+    """
+    B, H, R, D = q_rot.shape
+    Dv = D  # keys and values share the head dim in the kernel
+    if values_packed.shape[-1] != (Dv * value_bits + 31) // 32:
+        raise ValueError("decode kernel: values must have the keys' head dim")
+    cfg = decode_config(D, R, B * H, n)
+    if cfg is None:
+        raise ValueError(f"decode kernel: unsupported head dim {D} with {R} query rows")
+    cap = keys_packed.shape[2]
+    meta = mx.array([n, cap, cfg["TOKS"], H, cfg["S"]], dtype=mx.int32)
+    q = (q_rot.astype(mx.float32) * LOG2E).reshape(B, H, R, D)
+    S, NW = cfg["S"], cfg["NW"]
+    po, pm, pl = _launch(
+        "tq_decode",
+        inputs=[q, keys_packed, keys_norms, values_packed, values_norms,
+                key_centroids.astype(mx.float32), value_centroids.astype(mx.float32), meta],
+        template=[("D", D), ("BK", key_bits), ("BV", value_bits), ("GL", R),
+                  ("DPT", cfg["DPT"]), ("NW", NW)],
+        grid=(S * NW * 32, H, B), threadgroup=(NW * 32, 1, 1),
+        output_shapes=[(B, H, S, R, D), (B, H, S, R), (B, H, S, R)],
+        output_dtypes=[mx.float32] * 3,
+    )
+    out, lse = _launch(
+        "tq_decode_reduce",
+        inputs=[po, pm, pl, meta],
+        template=[("D", D), ("GL", R)],
+        grid=(D, R, B * H), threadgroup=(D, 1, 1),
+        output_shapes=[(B, H, R, D), (B, H, R)],
+        output_dtypes=[mx.float32] * 2,
+    )
+    return out, lse
+
+
+# --------------------------------------------------------------------------
+# dequantize (prefill) and quantize-on-append
+
+
+def dequantize(
+    packed: mx.array, norms: mx.array, centroids: mx.array, n: int, bits: int,
+    dim: int, dtype: mx.Dtype = mx.float16, mean_rot: Optional[mx.array] = None,
+) -> mx.array:
+    """Rotated-domain vectors [B, H, n, dim] of packed tokens ``[0, n)``.
+
+    ``norm * centroids[idx] (+ mean_rot)``, written in ``dtype``;
+    ``mean_rot`` [B, H, dim] (a rotated per-head mean) is added if given.
+    """
+    B, H = packed.shape[:2]
+    if mean_rot is None:
+        mean_rot = mx.zeros((B, H, dim), mx.float32)
+    meta = mx.array([n, packed.shape[2]], dtype=mx.int32)
+    (out,) = _launch(
+        "tq_dequant",
+        inputs=[packed, norms, centroids.astype(mx.float32),
+                mean_rot.astype(mx.float32).reshape(B, H, dim), meta],
+        template=[("D", dim), ("BITS", bits), ("T", dtype)],
+        grid=(n * dim, H, B), threadgroup=(256, 1, 1),
+        output_shapes=[(B, H, n, dim)], output_dtypes=[dtype],
+    )
+    return out
+
+
+def quantize(x: mx.array, codec) -> tuple[mx.array, mx.array]:
+    """``codec.quantize(x)`` in one kernel: (packed uint32 [..., words], norms float16 [...]).
+
+    Needs a power-of-two head dim 32..1024 with a Hadamard rotation; the
+    result matches the reference codec except where float rounding of the
+    rotation moves a coordinate across a codebook boundary (see tests).
+    """
+    d = codec.dim
+    rot = codec.rotation
+    if not supports_quantize(codec):
+        raise ValueError(f"quantize kernel: needs a power-of-two Hadamard dim, got {rot!r}")
+    lead = x.shape[:-1]
+    m = math.prod(lead)
+    packed, norms = _launch(
+        "tq_quantize",
+        inputs=[x.reshape(m, d), rot.signs.astype(mx.float32),
+                codec.codebook.boundaries_mx(), codec.centroids.astype(mx.float32)],
+        template=[("D", d), ("BITS", codec.bits), ("T", x.dtype)],
+        grid=(m * d, 1, 1), threadgroup=(d, 1, 1),
+        output_shapes=[(m, codec.words), (m,)], output_dtypes=[mx.uint32, mx.float16],
+    )
+    return packed.reshape(*lead, codec.words), norms.reshape(lead)
+
+
+def quantize_any(x: mx.array, codec) -> tuple[mx.array, mx.array]:
+    """The cache's hook: the kernel when dispatch allows it, else ``codec.quantize``."""
+    if use_kernels() and supports_quantize(codec):
+        return quantize(x, codec)
+    return tuple(codec.quantize(x))
+
+
+def supports_quantize(codec) -> bool:
+    """The quantize kernel handles power-of-two dims (32..1024) with a Hadamard rotation."""
+    d = codec.dim
+    return (
+        getattr(codec, "norm_mode", "preserve") == "preserve"
+        and codec.rotation.uses_hadamard and 32 <= d <= 1024 and d & (d - 1) == 0
+    )
+
+
+# --------------------------------------------------------------------------
+# attention on the cache
+
+
+def _centroids(codec) -> mx.array:
+    return codec.centroids.astype(mx.float32)
+
+
+def _full_mask(mask, n_packed: int, n_window: int, L: int):
+    """The mask for one SDPA over ``[history; window]``: None, "causal" or an array."""
+    if mask is None or isinstance(mask, str):
+        if isinstance(mask, str) and mask != "causal":
+            raise ValueError(f"turboquant_attention: unknown mask mode {mask!r}")
+        return mask if L > 1 else None  # "causal" is bottom-right aligned in MLX
+    cols = mask.shape[-1]
+    if cols == n_packed + n_window:
+        return mask
+    if cols != n_window:
+        raise ValueError(
+            f"turboquant_attention: mask has {cols} key columns; expected the window "
+            f"({n_window}) or packed + window ({n_packed + n_window})"
+        )
+    pad_shape = (*mask.shape[:-1], n_packed)  # the history precedes every query
+    pad = mx.ones(pad_shape, mx.bool_) if mask.dtype == mx.bool_ else mx.zeros(pad_shape, mask.dtype)
+    return mx.concatenate([pad, mask], axis=-1)
+
+
+def _mean(cache, name: str, B: int, H: int) -> Optional[mx.array]:
+    """The cache's per-(batch, head) mean [B, H, D] float32, or None."""
+    m = getattr(cache, name, None)
+    return None if m is None else m.astype(mx.float32).reshape(B, H, -1)
+
+
+def _value_rotation(cache):
+    return getattr(cache, "value_rotation", None) or cache.rotation
+
+
+def _decode_attention(queries, window_keys, window_values, cache, scale, window_mask):
+    """Few query rows: the fused split-K kernel for the packed history, merged
+    by log-sum-exp with exact attention over the window (as the reference
+    path merges its online-softmax state)."""
+    from .attention import _apply
+
+    B, H_q, L, D = queries.shape
+    H_kv, W = window_keys.shape[1], window_keys.shape[2]
+    G = H_q // H_kv
+    R = G * L
+    q = (queries.astype(mx.float32) * scale).reshape(B, H_kv, R, D)
+    out_p, lse_p = decode(
+        cache.rotation.forward(q), cache.keys_packed, cache.keys_norms,
+        cache.values_packed, cache.values_norms,
+        _centroids(cache.key_codec), _centroids(cache.value_codec),
+        cache.packed_len, cache.key_codec.bits, cache.value_codec.bits,
+    )
+    lse_p = lse_p[..., None]
+    km = _mean(cache, "key_mean", B, H_kv)
+    if km is not None:  # centred keys lost q·mean_k, a constant per query row
+        lse_p = lse_p + q @ km[..., None]
+    packed_out = _value_rotation(cache).inverse(out_p)
+    vm = _mean(cache, "value_mean", B, H_kv)
+    if vm is not None:  # normalised weights sum to 1: the mean comes back once
+        packed_out = packed_out + vm[:, :, None, :]
+
+    scores = q @ window_keys.astype(mx.float32).swapaxes(-1, -2)  # [B, H_kv, R, W]
+    if window_mask is not None:
+        scores = _apply(scores.reshape(B, H_kv, G, L, W), window_mask).reshape(B, H_kv, R, W)
+    lse_w = mx.logsumexp(scores, axis=-1, keepdims=True)
+    out_w = mx.exp(scores - lse_w) @ window_values.astype(mx.float32)
+
+    m = mx.maximum(lse_p, lse_w)
+    a, b = mx.exp(lse_p - m), mx.exp(lse_w - m)
+    out = (a * packed_out + b * out_w) / (a + b)
+    return out.reshape(B, H_q, L, -1).astype(queries.dtype)
+
+
+def _prefill_attention(queries, window_keys, window_values, cache, scale, mask):
+    """Many query rows: dequantize the history once (one kernel per tensor,
+    means folded in), then a single fused SDPA over ``[history; window]`` in
+    the rotated domain -- the matrix units do the tiled attention.  Holds the
+    dequantized history (model dtype) for the duration of the call."""
+    B, H_q, L, D = queries.shape
+    H_kv, W = window_keys.shape[1], window_keys.shape[2]
+    P = cache.packed_len
+    dtype = queries.dtype
+    vrot = _value_rotation(cache)
+    km = _mean(cache, "key_mean", B, H_kv)
+    vm = _mean(cache, "value_mean", B, H_kv)
+    Dv = window_values.shape[-1]
+    k_hist = dequantize(
+        cache.keys_packed, cache.keys_norms, _centroids(cache.key_codec), P,
+        cache.key_codec.bits, D, dtype, None if km is None else cache.rotation.forward(km),
+    )
+    v_hist = dequantize(
+        cache.values_packed, cache.values_norms, _centroids(cache.value_codec), P,
+        cache.value_codec.bits, Dv, dtype, None if vm is None else vrot.forward(vm),
+    )
+    keys = mx.concatenate([k_hist, cache.rotation.forward(window_keys).astype(dtype)], axis=2)
+    values = mx.concatenate([v_hist, vrot.forward(window_values).astype(dtype)], axis=2)
+    q_rot = cache.rotation.forward(queries).astype(dtype)
+    out = mx.fast.scaled_dot_product_attention(
+        q_rot, keys, values, scale=scale, mask=_full_mask(mask, P, W, L)
+    )
+    return vrot.inverse(out).astype(dtype)
+
+
+def kernel_supported(queries: mx.array, window_keys: mx.array, cache) -> bool:
+    """Whether the kernels cover this call (else the reference path runs)."""
+    D = queries.shape[-1]
+    return (
+        cache.packed_len > 0
+        and window_keys.shape[-1] == D
+        and D in (64, 128, 256)
+        and getattr(cache.key_codec, "dim", D) == D
+    )
+
+
+def prefill_rows() -> int:
+    """Query rows per kv head above which the dequantize + SDPA path runs."""
+    return int(os.environ.get("TQ_PREFILL_ROWS", 16))
+
+
+def turboquant_attention(
+    queries: mx.array, window_keys: mx.array, window_values: mx.array, cache,
+    scale: float, mask=None, sinks: Optional[mx.array] = None,
+) -> mx.array:
+    """Drop-in for ``turboquant.attention.turboquant_attention`` using the kernels.
+
+    Few query rows per kv head (decode) run the split-K kernel; many rows
+    (prefill chunks) or a mask that reaches into the packed history run
+    dequantize + SDPA.  Falls back to the reference path when the kernels are
+    off (``TQ_KERNELS``), there is no packed history, or the shape is not
+    covered.
+    """
+    from . import attention
+
+    if sinks is not None or not use_kernels() or not kernel_supported(queries, window_keys, cache):
+        return attention.turboquant_attention(
+            queries, window_keys, window_values, cache, scale, mask, sinks
+        )
+    B, H_q, L, D = queries.shape
+    H_kv, W = window_keys.shape[1], window_keys.shape[2]
+    packed_mask, window_mask = attention._split_mask(mask, L, cache.packed_len, W)
+    rows = (H_q // H_kv) * L
+    if packed_mask is not None or rows > prefill_rows() or decode_config(D, rows, B * H_kv, 1) is None:
+        return _prefill_attention(queries, window_keys, window_values, cache, scale, mask)
+    if window_mask is not None:
+        window_mask = attention._as_5d(window_mask, B, H_kv, H_q // H_kv)
+    return _decode_attention(queries, window_keys, window_values, cache, scale, window_mask)
