@@ -63,6 +63,16 @@ def test_keep_quantized_opt_out(monkeypatch):
     assert type(model.layers[0]) is nn.Linear and model.layers[0].weight.dtype == mx.float32
 
 
+def test_gpu_models_keep_their_dtype_and_quantization(monkeypatch):
+    model = nn.Sequential(nn.Linear(64, 32), nn.Linear(32, 32))
+    model.set_dtype(mx.bfloat16)
+    nn.quantize(model, group_size=32, bits=4, class_predicate=lambda path, m: path == "layers.0")
+    monkeypatch.setattr(models.mx, "default_device", lambda: mx.Device(mx.gpu))
+    models.prepare_for_device(model)
+    assert isinstance(model.layers[0], nn.QuantizedLinear)
+    assert model.layers[1].weight.dtype == mx.bfloat16
+
+
 def test_local_directory_is_detected_as_vlm(tiny_vlm_dir):
     m = load_model(str(tiny_vlm_dir), needs_images=True)
     assert (m.kind, m.name) == ("vlm", str(tiny_vlm_dir))
