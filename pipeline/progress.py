@@ -42,7 +42,10 @@ def _mode() -> str:
         return "bar"
     if mode in ("log", "off"):
         return mode
-    return "bar" if sys.stderr.isatty() else "log"
+    try:
+        return "bar" if sys.stderr.isatty() else "log"
+    except (AttributeError, ValueError):  # no stderr (daemon) or a closed one
+        return "log"
 
 
 def _interval() -> float:

@@ -124,10 +124,14 @@ class InboxWatcher:
     def mark_done(self, path: Path, content_hash: str, status: str, *, error: str | None = None) -> None:
         """Durably record that ``path`` (with ``content_hash``) was handled."""
         path = Path(path)
-        try:
-            sig = self._signature(path)
-        except OSError:
-            sig = None  # vanished after handling: the hash still prevents a redo
+        cached = self._hashes.get(path)
+        if cached and cached[1] == content_hash:
+            sig = cached[0]  # as hashed: if it changed while being handled, it is offered again
+        else:
+            try:
+                sig = self._signature(path)
+            except OSError:
+                sig = None  # vanished after handling: the hash still prevents a redo
         rel = self._rel(path)
         entry = {"key": content_hash, "status": status, "path": rel, "content_hash": content_hash,
                  "sig": _sig_id(sig) if sig else None, "error": error, "at": utc_now()}

@@ -185,3 +185,17 @@ def test_missing_inbox_and_second_watcher_are_clear_errors(tmp_path, inbox):
     with JobLock(tmp_path / "state" / "ledger.jsonl"):
         with pytest.raises(LockHeldError):
             watcher(tmp_path).run(lambda p: "ok", max_iterations=1)
+
+
+def test_file_replaced_while_being_handled_is_offered_again(tmp_path, inbox):
+    target = inbox / "a.pdf"
+    target.write_bytes(b"%PDF version 1")
+    w = watcher(tmp_path)
+    [path] = poll_until(w, SETTLE * 2)
+
+    def handle(p: Path) -> str:
+        p.write_bytes(b"%PDF version 2, longer")  # the user re-copies a fixed file meanwhile
+        return "ok"
+
+    assert w.handle_one(handle, path) == "ok"
+    assert poll_until(w, SETTLE * 2) == [target]
