@@ -183,6 +183,8 @@ def load_job(path: str | Path) -> Job:
         raise JobFileError(shown, None, "job file not found" if not path.exists() else "not a file")
     try:
         data = yaml.load(path.read_text(encoding="utf-8"), Loader=_StrictLoader)
+    except OSError as e:
+        raise JobFileError(shown, None, f"cannot read job file: {e.strerror or e}") from None
     except UnicodeDecodeError as e:
         raise JobFileError(shown, None, f"not UTF-8 text ({e.reason} at byte {e.start})") from None
     except yaml.MarkedYAMLError as e:
@@ -209,7 +211,7 @@ _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
 def _check_filesystem(job: Job, shown: str) -> None:
-    from .ingest import expand_input  # lazy: ingest is heavier and imports jobs
+    from .ingest import expand_input  # lazy: ingest imports this module
 
     for i, item in enumerate(job.spec.inputs):
         key = f"inputs[{i}]" if isinstance(item, str) else f"inputs[{i}].images"
