@@ -1,0 +1,248 @@
+"""The ``tqpipe`` command line.
+
+Commands: ``run JOB``, ``watch DIR --job JOB``, ``status JOB``,
+``validate JOB``, ``samples [DIR]``.
+
+Exit codes (the same for every command, so cron and scripts can branch):
+
+====  ==========================================================
+code  meaning
+====  ==========================================================
+0     success: every document x task is done (or nothing to do)
+1     at least one document failed (its error records are written)
+2     bad job file or bad command line (nothing was run)
+3     another run of this job holds its lock (nothing was run)
+====  ==========================================================
+
+``status`` exits 1 when any (document, task) of the job is recorded as
+failed, else 0 (pending work is not a failure).  Errors print ONE line that
+names the file and the problem; ``-v`` adds debug logging and tracebacks.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from pathlib import Path
+
+import click
+
+import pipeline  # noqa: F401  (fast CPU BLAS before anything imports mlx.core)
+
+from .errors import JobFileError, LockHeldError, PageRangeError, TqpipeError
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_LOCKED = 0, 1, 2, 3
+EXIT_CODES_HELP = (
+    "\b\nExit codes:\n"
+    "  0  all documents x tasks done\n"
+    "  1  at least one document failed (error records written)\n"
+    "  2  bad job file or usage error (nothing run)\n"
+    "  3  the job's lock is held by another run (nothing run)"
+)
+logger = logging.getLogger("tqpipe")
+
+
+def _fail(message: str, code: int) -> None:
+    click.echo(f"tqpipe: error: {message}", err=True)
+    sys.exit(code)
+
+
+def _load(job_path: str, pages: str | None = None):
+    """Load and check the job (exit 2 with one clear line on any problem)."""
+    from .jobs import load_job
+
+    try:
+        job = load_job(job_path)
+        if pages is not None:
+            from .pages import parse_page_ranges
+
+            parse_page_ranges(pages)
+    except JobFileError as e:
+        _fail(str(e), EXIT_USAGE)
+    except PageRangeError as e:
+        _fail(f"--pages: {e}", EXIT_USAGE)
+    return job
+
+
+@click.group(epilog=EXIT_CODES_HELP)
+@click.version_option(package_name="tqpipe")
+def main() -> None:
+    """Batch long-document VLM pipeline with a TurboQuant-compressed KV cache.
+
+    Each document (PDF or image set) is read into ONE long context, prefilled
+    once into a compressed KV cache, and every task of the job is answered from
+    that cache.  Results go to the job's JSONL output, one record per
+    (document, task); reruns skip what is already there.
+    """
+
+
+def _verbose_option(f):
+    return click.option("-v", "--verbose", is_flag=True, help="Debug logging and tracebacks.")(f)
+
+
+@main.command(epilog=EXIT_CODES_HELP)
+@click.argument("job_file", metavar="JOB", type=click.Path(dir_okay=False))
+@click.option("--pages", help="Page ranges for every document, e.g. '1-20,35,-5' (overrides the job's context.pages).")
+@click.option("--dry-run", is_flag=True, help="Ingest and tokenize only: per document pages, tokens, images, whether it fits. Loads no model, writes nothing.")
+@click.option("--retry-failed", is_flag=True, help="Run again (document, task) pairs recorded as failed.")
+@click.option("--engine", type=click.Choice(["local", "ray"]), default=None, help="Override the job's engine.kind.")
+@click.option("--no-progress", is_flag=True, help="No progress bars or progress log lines.")
+@_verbose_option
+def run(job_file: str, pages: str | None, dry_run: bool, retry_failed: bool, engine: str | None,
+        no_progress: bool, verbose: bool) -> None:
+    """Process every document of JOB not yet in its results file.
+
+    Progress: tqdm bars on a terminal, plain log lines otherwise (cron).
+    """
+    from .progress import configure_logging
+
+    configure_logging(verbose)
+    job = _load(job_file, pages)
+    kind = engine or job.spec.engine.kind
+    try:
+        if kind == "ray" and not dry_run:
+            from . import ray_engine  # imported only when asked: Ray is heavy
+
+            summary = ray_engine.run_job(job, retry_failed=retry_failed, pages=pages, progress=not no_progress)
+        else:
+            from .runner import run_job
+
+            summary = run_job(job, retry_failed=retry_failed, pages=pages, dry_run=dry_run,
+                              progress=not no_progress, echo=click.echo)
+    except LockHeldError as e:
+        _fail(str(e), EXIT_LOCKED)
+    except TqpipeError as e:
+        if verbose:
+            logger.exception("run failed")
+        _fail(str(e), EXIT_FAILED)
+    if not dry_run:
+        click.echo(
+            f"{job.spec.name}: {summary.documents} documents; {summary.done} done, {summary.failed} failed, "
+            f"{summary.skipped} already done; {summary.records_written} records -> {job.output_path}"
+        )
+    if summary.failed_documents:
+        click.echo("failed: " + ", ".join(summary.failed_documents), err=True)
+    sys.exit(summary.exit_code)
+
+
+@main.command(epilog=EXIT_CODES_HELP)
+@click.argument("inbox", type=click.Path(file_okay=False))
+@click.option("--job", "job_file", required=True, type=click.Path(dir_okay=False), help="Job file whose model, tasks and output to use.")
+@click.option("--settle", default=2.0, show_default=True, help="Seconds a file's size must stay unchanged before it is read.")
+@click.option("--poll", default=1.0, show_default=True, help="Seconds between inbox scans.")
+@click.option("--pages", help="Page ranges, overriding the job's context.pages.")
+@click.option("--max-polls", type=int, default=None, help="Stop after this many scans (default: run until interrupted).")
+@_verbose_option
+def watch(inbox: str, job_file: str, settle: float, poll: float, pages: str | None, max_polls: int | None,
+          verbose: bool) -> None:
+    """Process each new file (or image folder) dropped into INBOX, exactly once.
+
+    A file is read once its size has stopped changing for --settle seconds.
+    Results are appended to the job's output; a ledger next to it
+    (<output>.inbox.jsonl) remembers handled files across restarts.
+    """
+    from .ingest import expand_input
+    from .progress import configure_logging
+    from .runner import Engines, run_job
+    from .watch import InboxWatcher
+
+    configure_logging(verbose)
+    job = _load(job_file, pages)
+    engines = Engines(job)  # one model load for the whole watch session
+
+    def handle(path: Path) -> str:
+        refs = expand_input(job, str(path))
+        if not refs:
+            raise TqpipeError(f"{path}: not a PDF, image or image folder")
+        summary = run_job(job, refs=refs, pages=pages, engines=engines, progress=False, echo=click.echo)
+        return "failed" if summary.failed else "ok"
+
+    ledger = job.output_path.with_name(job.output_path.name + ".inbox.jsonl")
+    watcher = InboxWatcher(Path(inbox), ledger, settle_seconds=settle, poll_seconds=poll)
+    try:
+        watcher.run(handle, max_iterations=max_polls)
+    except LockHeldError as e:
+        _fail(f"{e} (is another watcher running on this job?)", EXIT_LOCKED)
+    except TqpipeError as e:
+        _fail(str(e), EXIT_USAGE)
+    except KeyboardInterrupt:
+        click.echo("tqpipe: watch stopped", err=True)
+    sys.exit(EXIT_OK)
+
+
+@main.command(epilog=EXIT_CODES_HELP)
+@click.argument("job_file", metavar="JOB", type=click.Path(dir_okay=False))
+@click.option("--json", "as_json", is_flag=True, help="Print the counts as one JSON object.")
+def status(job_file: str, as_json: bool) -> None:
+    """Progress of JOB from its results file: done, failed, pending.
+
+    Pending = (document, task) pairs of the current job and config with no
+    record yet.  Reads only; safe while a run is going.
+    """
+    from .checkpoint import summarize
+    from .ingest import content_hash, discover
+    from .runner import task_keys
+
+    job = _load(job_file)
+    expected: set[str] = set()
+    unreadable = 0
+    for ref in discover(job):
+        try:
+            expected.update(task_keys(job, content_hash(ref)).values())
+        except OSError:
+            unreadable += 1
+    counts = summarize(job.output_path, expected)
+    counts["unreadable_documents"] = unreadable
+    if as_json:
+        import orjson
+
+        click.echo(orjson.dumps(counts).decode())
+    else:
+        click.echo(
+            f"{job.spec.name}: done {counts['done']}, failed {counts['failed']}, pending {counts['pending']} "
+            f"(of {counts['expected']} document x task; {counts['stale']} stale keys from older configs) "
+            f"-> {job.output_path}"
+        )
+    sys.exit(EXIT_FAILED if counts["failed"] else EXIT_OK)
+
+
+@main.command(epilog=EXIT_CODES_HELP)
+@click.argument("job_file", metavar="JOB", type=click.Path(dir_okay=False))
+def validate(job_file: str) -> None:
+    """Check JOB (schema, inputs, model path) without running anything."""
+    from .ingest import discover
+
+    job = _load(job_file)
+    spec = job.spec
+    refs = discover(job)
+    cache = spec.cache
+    bits = "" if cache.kv_quant_scheme == "fp16" else f" {cache.kv_bits:g} bits"
+    click.echo(f"{job.path}: OK")
+    click.echo(f"  name:      {spec.name}")
+    click.echo(f"  documents: {len(refs)} ({sum(r.kind == 'pdf' for r in refs)} PDF, {sum(r.kind == 'images' for r in refs)} image sets)")
+    click.echo(f"  tasks:     {', '.join(t.name + (' (json)' if t.format == 'json' else '') for t in spec.tasks)}")
+    click.echo(f"  model:     {spec.model.path or 'built-in (SmolLM2-135M-Instruct for text, tiny Qwen2-VL for page images)'}")
+    click.echo(f"  cache:     {cache.kv_quant_scheme}{bits}, prefill chunk {cache.prefill_chunk}")
+    click.echo(f"  context:   max {spec.context.max_tokens} tokens, overflow {spec.context.overflow}, images {spec.context.images}"
+               + (f", pages {spec.context.pages}" if spec.context.pages else ""))
+    click.echo(f"  output:    {job.output_path}")
+    sys.exit(EXIT_OK)
+
+
+@main.command(epilog=EXIT_CODES_HELP)
+@click.argument("directory", default="samples", type=click.Path(file_okay=False))
+def samples(directory: str) -> None:
+    """Write sample documents (text PDFs, a scanned PDF, an image set) into DIRECTORY."""
+    from .samples import write_samples
+
+    t0 = time.perf_counter()
+    paths = write_samples(Path(directory))
+    for p in paths:
+        click.echo(str(p))
+    click.echo(f"{len(paths)} sample documents in {directory} ({time.perf_counter() - t0:.1f} s)", err=True)
+    sys.exit(EXIT_OK)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()
