@@ -20,6 +20,16 @@ from pipeline.models import LoadedModel, builtin_text_model_dir, builtin_vlm_dir
 
 __all__ = ["tqpipe_models_home", "smollm2_dir", "tiny_vlm_dir", "smollm2_model", "tiny_vlm_model"]
 
+# Loaded once per process even if the fixtures are registered in several
+# modules (each registration would otherwise get its own session instance).
+_LOADED: dict[bool, LoadedModel] = {}
+
+
+def _load_builtin(needs_images: bool) -> LoadedModel:
+    if needs_images not in _LOADED:
+        _LOADED[needs_images] = load_model(None, needs_images=needs_images)
+    return _LOADED[needs_images]
+
 
 @pytest.fixture(scope="session")
 def tqpipe_models_home(tmp_path_factory: pytest.TempPathFactory) -> Path:
@@ -49,10 +59,10 @@ def tiny_vlm_dir(tqpipe_models_home: Path) -> Path:
 @pytest.fixture(scope="session")
 def smollm2_model(smollm2_dir: Path) -> LoadedModel:
     """``load_model(None)``: SmolLM2, float32 on CPU.  Shared: do not mutate."""
-    return load_model(None)
+    return _load_builtin(False)
 
 
 @pytest.fixture(scope="session")
 def tiny_vlm_model(tiny_vlm_dir: Path) -> LoadedModel:
     """``load_model(None, needs_images=True)``: the tiny VLM.  Shared: do not mutate."""
-    return load_model(None, needs_images=True)
+    return _load_builtin(True)
