@@ -138,12 +138,12 @@ def _refs_for_path(job: Job, path: Path, *, explicit: bool) -> list[DocumentRef]
     suffix = path.suffix.lower()
     if path.is_dir():
         children = sorted(path.iterdir(), key=natural_key)
-        refs = [_pdf(job, c) for c in children if c.is_file() and c.suffix.lower() in PDF_SUFFIXES]
+        refs = [_pdf(job, c) for c in children if _visible(c) and c.is_file() and c.suffix.lower() in PDF_SUFFIXES]
         loose = _images(children)
         if loose:
             refs.append(_image_set(job, path, loose))
         for sub in children:
-            if sub.is_dir() and (files := _images(sub.iterdir())):
+            if _visible(sub) and sub.is_dir() and (files := _images(sub.iterdir())):
                 refs.append(_image_set(job, sub, files))
         return refs
     if suffix in PDF_SUFFIXES:
@@ -158,7 +158,13 @@ def _refs_for_path(job: Job, path: Path, *, explicit: bool) -> list[DocumentRef]
 
 
 def _images(paths) -> tuple[Path, ...]:
-    return tuple(sorted((p for p in paths if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES), key=natural_key))
+    found = (p for p in paths if _visible(p) and p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES)
+    return tuple(sorted(found, key=natural_key))
+
+
+def _visible(p: Path) -> bool:
+    """Hidden files are editor locks, macOS ``._`` forks or half-copied temp files, not documents."""
+    return not p.name.startswith(".")
 
 
 def _is_glob(s: str) -> bool:
@@ -170,15 +176,14 @@ def _doc_id(job: Job, path: Path) -> str:
 
 
 def _pdf(job: Job, path: Path) -> DocumentRef:
-    path = path.resolve()
+    path = Path(os.path.abspath(path))  # not resolve(): a symlink keeps its readable name
     return DocumentRef(source=path, kind="pdf", doc_id=_doc_id(job, path))
 
 
 def _image_set(job: Job, source: Path, files: tuple[Path, ...]) -> DocumentRef:
-    source = source if _is_glob(str(source)) else source.resolve()
-    return DocumentRef(
-        source=source, kind="images", doc_id=_doc_id(job, source), members=tuple(f.resolve() for f in files)
-    )
+    source = Path(os.path.abspath(source))
+    members = tuple(Path(os.path.abspath(f)) for f in files)
+    return DocumentRef(source=source, kind="images", doc_id=_doc_id(job, source), members=members)
 
 
 # -- hashing ----------------------------------------------------------------

@@ -60,6 +60,8 @@ def test_discover_folder_globs_and_dedupe(tmp_path):
     make_image_set(docs / "scan10", {"x.png": "x"})
     (docs / "empty_sub").mkdir()
     (docs / "readme.txt").write_text("ignored")
+    (docs / ".r5.pdf").write_bytes(b"")  # hidden: a half-copied temp file
+    (docs / "scan2" / "._p1.png").write_bytes(b"\0")  # macOS resource fork
     job = job_in(tmp_path, "[in/, 'in/r*.pdf', in/r9.pdf]")
     refs = discover(job)
     assert [(r.kind, r.doc_id) for r in refs] == [
