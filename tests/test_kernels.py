@@ -186,7 +186,7 @@ def test_decode_matches_reference(bits, d, gqa):
         cv = np.asarray(codebook(bv, d).centroids)
         q = rng.standard_normal((B, H, gqa * L, d)) * (4.0 if structured else 1.0)
         out, lse = kernels.decode(
-            mx.array(q.astype(np.float32)), kw, kn, vw, vn, mx.array(ck), mx.array(cv),
+            mx.array(q.astype(np.float32)), kw, kn, vw, vn, mx.array(ck.astype(np.float32)), mx.array(cv.astype(np.float32)),
             n, bk, bv,
         )
         ro, rl = _reference_decode(q, ik, np.asarray(kn), iv, np.asarray(vn), ck, cv, n)
@@ -204,11 +204,11 @@ def test_dequant_matches_codec(bits, d):
     words, norms, idx = _packed_tensor(rng, B, H, cap, d, bits, n)
     c = np.asarray(codebook(bits, d).centroids)
     mean = rng.standard_normal((B, H, d)).astype(np.float32)
-    out = kernels.dequantize(words, norms, mx.array(c), n, bits, d, mx.float32, mx.array(mean))
+    out = kernels.dequantize(words, norms, mx.array(c.astype(np.float32)), n, bits, d, mx.float32, mx.array(mean))
     ref = c[idx[:, :, :n]] * np.asarray(norms)[:, :, :n, None].astype(np.float64) + mean[:, :, None]
     assert out.shape == (B, H, n, d)
     assert _rel(out, ref) < 1e-6
-    half = kernels.dequantize(words, norms, mx.array(c), n, bits, d, mx.float16)
+    half = kernels.dequantize(words, norms, mx.array(c.astype(np.float32)), n, bits, d, mx.float16)
     assert half.dtype == mx.float16
     assert _rel(half, ref - mean[:, :, None]) < 1e-3
 

@@ -1,0 +1,301 @@
+"""Decode/prefill attention on the packed TurboQuant cache vs fp16 and affine 4-bit.
+
+  python benchmarks/gpu_attention.py [--lengths 8k,32k,128k,512k,1M] [--json out.json]
+
+One run prints, for 32 query heads / 8 KV heads / head dim 128, batch 1:
+
+* decode-attention time per token (one query token) for fp16
+  ``mx.fast.scaled_dot_product_attention``, MLX affine 4-bit quantized
+  attention (``mx.quantized_matmul`` on the cache, as mlx-lm's
+  ``quantized_scaled_dot_product_attention`` does) and the TurboQuant kernels
+  at 2.5, 3.5 and 4 bits, with the bytes of cache each reads and the
+  effective bandwidth against a measured device copy rate;
+* quantize-on-append for one token (8 heads, keys + values) vs a decode step;
+* chunked prefill of 128k tokens: fp16 SDPA vs dequantize + SDPA on the
+  packed history.
+
+Timing: every call is independent work on one of several copies of the
+inputs (rotated so the working set is several times the L2 cache); a batch
+of calls is evaluated at once and the per-call time is the batch time over
+its size (median of repeats).  GPU only (CUDA or Metal).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import turboquant  # noqa: E402,F401  (before mlx.core)
+import mlx.core as mx  # noqa: E402
+
+from turboquant import kernels  # noqa: E402
+from turboquant.codec import TurboQuantCodec  # noqa: E402
+from turboquant.packing import packed_words  # noqa: E402
+from turboquant.rotation import HadamardRotation  # noqa: E402
+from turboquant.widths import resolve_bits  # noqa: E402
+
+HQ, HKV, D = 32, 8, 128
+SCALE = D**-0.5
+WORKING_SET = 512 << 20  # bytes of inputs cycled through per timing batch
+
+
+def parse_len(s: str) -> int:
+    s = s.strip().lower()
+    mult = {"k": 1024, "m": 1024 * 1024}.get(s[-1], 1)
+    return int(s[:-1] if s[-1] in "km" else s) * mult
+
+
+def timeit(fns, repeats: int = 7, batch: int = 0) -> float:
+    """Median seconds per call of ``fns`` (a list of equivalent closures on
+    different input copies), evaluated ``batch`` calls at a time."""
+    batch = batch or len(fns)
+    mx.eval([fns[i % len(fns)]() for i in range(min(batch, len(fns)))])  # warm-up/compile
+    mx.synchronize()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        mx.eval([fns[i % len(fns)]() for i in range(batch)])
+        mx.synchronize()
+        times.append((time.perf_counter() - t0) / batch)
+    times.sort()
+    return times[len(times) // 2]
+
+
+def copy_rate() -> float:
+    """Device copy bandwidth (bytes read + written per second)."""
+    a = mx.random.uniform(shape=(1 << 29,))  # 2 GiB float32
+    mx.eval(a)
+    t = timeit([lambda: a + 1.0], repeats=9, batch=4)
+    return 2 * a.nbytes / t
+
+
+def copies_for(nbytes: int) -> int:
+    return max(1, min(64, math.ceil(WORKING_SET / max(nbytes, 1))))
+
+
+# ------------------------------------------------------------------ caches
+
+
+def fp16_cache(n: int):
+    k = mx.random.normal((1, HKV, n, D)).astype(mx.float16)
+    v = mx.random.normal((1, HKV, n, D)).astype(mx.float16)
+    mx.eval(k, v)
+    return k, v
+
+
+def affine_cache(k, v, bits=4, group=64):
+    kq = mx.quantize(k, group_size=group, bits=bits)
+    vq = mx.quantize(v, group_size=group, bits=bits)
+    mx.eval(kq, vq)
+    return kq, vq
+
+
+def affine_attention(q, kq, vq, bits=4, group=64):
+    """mlx-lm's quantized_scaled_dot_product_attention (GQA by reshaping q)."""
+    B, H, L, Dq = q.shape
+    q = (q * SCALE).reshape(B, HKV, H // HKV, L, Dq)
+    kq = [t[:, :, None] for t in kq]
+    vq = [t[:, :, None] for t in vq]
+    s = mx.quantized_matmul(q, *kq, transpose=True, group_size=group, bits=bits)
+    p = mx.softmax(s, axis=-1, precise=True)
+    o = mx.quantized_matmul(p, *vq, transpose=False, group_size=group, bits=bits)
+    return o.reshape(B, H, L, Dq)
+
+
+def tq_cache(n: int, kv_bits: float, seed: int = 0):
+    """A cache-like namespace with random packed history (what kernels read)."""
+    kb, vb = resolve_bits(kv_bits)
+    rot = HadamardRotation(D, seed)
+    kc, vc = TurboQuantCodec(D, kb, rot), TurboQuantCodec(D, vb, rot)
+    wk, wv = packed_words(D, kb), packed_words(D, vb)
+    kp = mx.random.randint(0, 1 << 31, (1, HKV, n, wk)).astype(mx.uint32)
+    vp = mx.random.randint(0, 1 << 31, (1, HKV, n, wv)).astype(mx.uint32)
+    kn = mx.random.uniform(0.5, 2.0, (1, HKV, n)).astype(mx.float16)
+    vn = mx.random.uniform(0.5, 2.0, (1, HKV, n)).astype(mx.float16)
+    mx.eval(kp, vp, kn, vn)
+    return SimpleNamespace(
+        keys_packed=kp, keys_norms=kn, values_packed=vp, values_norms=vn,
+        key_codec=kc, value_codec=vc, rotation=rot, value_rotation=rot,
+        key_mean=None, value_mean=None, packed_len=n,
+        nbytes=kp.nbytes + vp.nbytes + kn.nbytes + vn.nbytes,
+    )
+
+
+def tq_decode_fn(c, q_rot):
+    kc, vc = c.key_codec, c.value_codec
+    return lambda: kernels.decode(
+        q_rot, c.keys_packed, c.keys_norms, c.values_packed, c.values_norms,
+        kc.centroids, vc.centroids, c.packed_len, kc.bits, vc.bits,
+    )[0]
+
+
+# ------------------------------------------------------------------ sections
+
+
+def bench_decode(lengths, results, bw):
+    q = mx.random.normal((1, HQ, 1, D)).astype(mx.float16)
+    q_rot = (q.astype(mx.float32) * SCALE).reshape(1, HKV, HQ // HKV, D)
+    hdr = f"{'tokens':>8} {'method':<22} {'ms/token':>9} {'MB read':>9} {'GB/s':>8} {'% copy':>7} {'vs fp16':>8}"
+    print("\n== decode attention, 32 q heads / 8 kv heads / d=128, batch 1, one query token")
+    print(hdr)
+    for n in lengths:
+        row = {}
+        k, v = fp16_cache(n)
+        nb = k.nbytes + v.nbytes
+        cs = [(k, v)] + [fp16_cache(n) for _ in range(copies_for(nb) - 1)]
+        t = timeit([lambda c=c: mx.fast.scaled_dot_product_attention(q, c[0], c[1], scale=SCALE) for c in cs])
+        row["fp16 sdpa"] = (t, nb)
+        aq = [affine_cache(*c) for c in cs]
+        anb = sum(a.nbytes for a in aq[0][0]) + sum(a.nbytes for a in aq[0][1])
+        del cs
+        try:
+            t = timeit([lambda a=a: affine_attention(q, *a) for a in aq])
+            row["affine 4-bit (mlx)"] = (t, anb)
+        except Exception as e:  # noqa: BLE001
+            print(f"  affine failed at {n}: {e}")
+        del aq, k, v
+        for kv_bits in (2.5, 3.5, 4):
+            c0 = tq_cache(n, kv_bits)
+            cs = [c0] + [tq_cache(n, kv_bits, seed=i + 1) for i in range(copies_for(c0.nbytes) - 1)]
+            t = timeit([tq_decode_fn(c, q_rot) for c in cs])
+            row[f"turboquant {kv_bits}-bit"] = (t, c0.nbytes)
+            del cs, c0
+        base = row["fp16 sdpa"][0]
+        for name, (t, nbytes) in row.items():
+            gbs = nbytes / t / 1e9
+            print(f"{n:>8} {name:<22} {t * 1e3:>9.4f} {nbytes / 1e6:>9.1f} {gbs:>8.0f} "
+                  f"{100 * nbytes / t / bw:>6.1f}% {base / t:>7.2f}x")
+        results.setdefault("decode", {})[n] = {k_: {"s": t, "bytes": b} for k_, (t, b) in row.items()}
+        mx.clear_cache()
+
+
+def bench_decode_variants(n, results):
+    """Launch-shape sweep (dims per lane, warps, threadgroups) at one length."""
+    q_rot = mx.random.normal((1, HKV, HQ // HKV, D)) * SCALE
+    c0 = tq_cache(n, 3.5)
+    cs = [c0] + [tq_cache(n, 3.5, seed=i + 1) for i in range(copies_for(c0.nbytes) - 1)]
+    print(f"\n== decode kernel launch shapes at {n} tokens, 3.5-bit")
+    best = None
+    for dpt in (8, 16):
+        for nw in (4, 8):
+            for blocks in (264, 528, 1056):
+                os.environ.update(TQ_DECODE_DPT=str(dpt), TQ_DECODE_NW=str(nw), TQ_DECODE_BLOCKS=str(blocks))
+                try:
+                    t = timeit([tq_decode_fn(c, q_rot) for c in cs], repeats=5)
+                except Exception as e:  # noqa: BLE001
+                    print(f"  DPT={dpt} NW={nw} blocks={blocks}: failed {e}")
+                    continue
+                print(f"  DPT={dpt:>2} NW={nw} blocks={blocks:>4}: {t * 1e3:.4f} ms")
+                results.setdefault("variants", {})[f"{n}/{dpt}/{nw}/{blocks}"] = t
+                if best is None or t < best[0]:
+                    best = (t, dpt, nw, blocks)
+    for key in ("TQ_DECODE_DPT", "TQ_DECODE_NW", "TQ_DECODE_BLOCKS"):
+        os.environ.pop(key, None)
+    return best
+
+
+def bench_append(n, results):
+    """Quantize-on-append of one decode token (8 heads, K and V) vs a decode step."""
+    c = tq_cache(n, 3.5)
+    q_rot = mx.random.normal((1, HKV, HQ // HKV, D)) * SCALE
+    x = [mx.random.normal((1, HKV, 1, D)).astype(mx.float16) for _ in range(16)]
+    kc, vc = c.key_codec, c.value_codec
+    t_step = timeit([tq_decode_fn(c, q_rot)], batch=16)
+    t_kernel = timeit([lambda xi=xi: kernels.quantize(xi, kc) + kernels.quantize(xi, vc) for xi in x])
+    t_ref = timeit([lambda xi=xi: tuple(kc.quantize(xi)) + tuple(vc.quantize(xi)) for xi in x])
+    print(f"\n== quantize-on-append, 1 token x 8 heads, keys (3-bit) + values (4-bit), at {n} tokens")
+    print(f"  fused kernel      {t_kernel * 1e3:.4f} ms  = {100 * t_kernel / t_step:.1f}% of a decode step ({t_step * 1e3:.4f} ms)")
+    print(f"  reference codec   {t_ref * 1e3:.4f} ms  = {100 * t_ref / t_step:.1f}%")
+    xb = mx.random.normal((1, HKV, 4096, D)).astype(mx.float16)
+    t_chunk = timeit([lambda: kernels.quantize(xb, kc) + kernels.quantize(xb, vc)], batch=8)
+    t_chunk_ref = timeit([lambda: tuple(kc.quantize(xb)) + tuple(vc.quantize(xb))], batch=8)
+    print(f"  4096-token chunk: kernel {t_chunk * 1e3:.3f} ms, reference codec {t_chunk_ref * 1e3:.3f} ms")
+    results["append"] = {"kernel": t_kernel, "reference": t_ref, "decode_step": t_step,
+                         "chunk_kernel": t_chunk, "chunk_reference": t_chunk_ref}
+
+
+def bench_prefill(n, chunk, results):
+    """Chunked prefill of n tokens: fp16 SDPA over the growing cache vs
+    dequantize(packed history) + SDPA over [history; chunk] + quantize the chunk."""
+    kc_bits = 3.5
+    k_all, v_all = fp16_cache(n)
+    qs = mx.random.normal((1, HQ, chunk, D)).astype(mx.float16)
+    tq = tq_cache(n, kc_bits)
+
+    def fp16_step(e):
+        return mx.fast.scaled_dot_product_attention(
+            qs, k_all[:, :, :e], v_all[:, :, :e], scale=SCALE, mask="causal")
+
+    def tq_step(s):
+        tq.packed_len = s
+        wk = k_all[:, :, s : s + chunk]
+        wv = v_all[:, :, s : s + chunk]
+        if s == 0:
+            o = mx.fast.scaled_dot_product_attention(qs, wk, wv, scale=SCALE, mask="causal")
+        else:
+            o = kernels._prefill_attention(qs, wk, wv, tq, SCALE, "causal")
+        pk = kernels.quantize(wk, tq.key_codec)
+        pv = kernels.quantize(wv, tq.value_codec)
+        return [o, *pk, *pv]
+
+    out = {}
+    for name, step in (("fp16", lambda s: [fp16_step(s + chunk)]), ("turboquant 3.5-bit", tq_step)):
+        mx.eval(step(0), step(chunk))  # compile/warm
+        mx.synchronize()
+        t0 = time.perf_counter()
+        for s in range(0, n, chunk):
+            mx.eval(step(s))
+        mx.synchronize()
+        out[name] = time.perf_counter() - t0
+    print(f"\n== chunked prefill attention, {n} tokens in chunks of {chunk} (32/8 heads, d=128)")
+    for name, t in out.items():
+        print(f"  {name:<20} {t:8.3f} s  ({t / out['fp16']:.2f}x fp16)")
+    results["prefill"] = {"tokens": n, "chunk": chunk, **out}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--lengths", default="8k,32k,128k,512k,1M")
+    ap.add_argument("--sweep", default="512k", help="length for the launch-shape sweep ('' = skip)")
+    ap.add_argument("--prefill", default="128k", help="prefill length ('' = skip)")
+    ap.add_argument("--chunk", type=int, default=2048)
+    ap.add_argument("--json", default="")
+    args = ap.parse_args()
+    be = kernels.backend()
+    if be is None:
+        print("gpu_attention: needs a GPU (MLX with Metal or CUDA)", file=sys.stderr)
+        return 2
+    print(f"backend: {be}, mlx {mx.__version__}, device {mx.default_device()}")
+    results = {"backend": be}
+    bw = copy_rate()
+    results["copy_Bps"] = bw
+    print(f"device copy rate (read + write): {bw / 1e12:.2f} TB/s")
+    if args.sweep:
+        best = bench_decode_variants(parse_len(args.sweep), results)
+        if best:
+            _, dpt, nw, blocks = best
+            print(f"  best: DPT={dpt} NW={nw} blocks={blocks} (used below)")
+            os.environ.update(TQ_DECODE_DPT=str(dpt), TQ_DECODE_NW=str(nw), TQ_DECODE_BLOCKS=str(blocks))
+            results["best_variant"] = best
+    bench_decode([parse_len(s) for s in args.lengths.split(",") if s], results, bw)
+    bench_append(parse_len("32k"), results)
+    if args.prefill:
+        try:
+            bench_prefill(parse_len(args.prefill), args.chunk, results)
+        except Exception as e:  # noqa: BLE001
+            print(f"prefill benchmark failed: {e}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

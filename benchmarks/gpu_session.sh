@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# One device call on the lent H200: install MLX's CUDA build (halves from
+# ../shared/tools/mlx-cuda-wheels.sh), run the GPU kernel tests, then the
+# benchmark.  Logs go to $OUT.  Each step continues after a failure so the
+# benchmark runs even if a test fails.
+#   call 1 (carry .whl/a):  mkdir -p /root/stash && cp .whl/a/* /root/stash/
+#   call 2 (carry .whl/b):  bash benchmarks/gpu_session.sh [tests|bench|all]
+set -x
+OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
+what="${1:-all}"
+if ! python3 -c 'import sys; sys.path.insert(0, "/tmp/site"); import mlx.core' 2>/dev/null; then
+  test -f /root/stash/cuda.part.aa || { echo 'machine went cold: redo call 1'; exit 3; }
+  cat /root/stash/cuda.part.aa .whl/b/cuda.part.ab > "/tmp/$(cat .whl/b/NAME)"
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \
+    /root/stash/mlx-*.whl "/tmp/$(cat .whl/b/NAME)" .whl/b/*.whl || exit 4
+fi
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 TQ_OPENBLAS=off
+export LD_LIBRARY_PATH=$(ls -d /opt/torch/.venv/lib/python3.12/site-packages/nvidia/*/lib | tr '\n' ':')
+export MLX_PTX_CACHE_DIR=/tmp/mlx-ptx
+nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv 2>&1 | tee "$OUT/gpu.txt"
+python3 -c 'import mlx.core as mx; print(mx.__version__, mx.default_device(), mx.cuda.is_available())' 2>&1 | tee -a "$OUT/gpu.txt"
+if [ "$what" != bench ]; then
+  timeout 280 python3 -m pytest -q -p no:cacheprovider -n 8 -m gpu tests/test_kernels.py 2>&1 \
+    | tee "$OUT/tests.log" | tail -60
+fi
+if [ "$what" != tests ]; then
+  timeout 330 python3 benchmarks/gpu_attention.py --json "$OUT/bench.json" ${BENCH_ARGS:-} 2>&1 \
+    | tee "$OUT/bench.log"
+fi
+echo "session done"
