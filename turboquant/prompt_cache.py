@@ -1,0 +1,134 @@
+"""Build the per-layer cache list for a loaded mlx-lm or mlx-vlm model.
+
+Only plain full-attention ``KVCache`` layers (exact type: mlx-lm's or
+mlx-vlm's) are converted.  Sliding-window (``RotatingKVCache``), MLA,
+state-space (``ArraysCache``) and other special caches are returned as the
+model made them: their attention either is not a plain softmax over all
+tokens or is already bounded, and quantizing them would change the model.
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+from typing import Any, Optional
+
+import mlx.nn as nn
+
+from .cache import TurboQuantKVCache
+from .integration import install
+from .widths import resolve_bits
+
+SCHEMES = ("turboquant", "affine", "fp16")
+_AFFINE_BITS = (2, 3, 4, 5, 6, 8)
+
+
+def _plain_kv_types() -> tuple[type, ...]:
+    from mlx_lm.models.cache import KVCache
+
+    types: list[type] = [KVCache]
+    try:
+        from mlx_vlm.models.cache import KVCache as VLMKVCache
+
+        types.append(VLMKVCache)
+    except ImportError:
+        pass
+    return tuple(types)
+
+
+def _is_vlm(model: nn.Module) -> bool:
+    return hasattr(model, "language_model") and type(model).__module__.startswith("mlx_vlm.")
+
+
+def _default_caches(model: nn.Module, max_kv_size: Optional[int]) -> list[Any]:
+    if _is_vlm(model):
+        from mlx_vlm.models.cache import make_prompt_cache as vlm_make
+
+        return list(vlm_make(model.language_model, max_kv_size=max_kv_size))
+    from mlx_lm.models.cache import make_prompt_cache as lm_make
+
+    return list(lm_make(model, max_kv_size=max_kv_size))
+
+
+def _direct_sdpa_modules(model: nn.Module) -> list[str]:
+    """Model modules that read cache output with ``mx.fast`` attention directly.
+
+    Those bypass the wrapped base function, so a TurboQuant cache there
+    would silently attend to the exact window only.
+    """
+    bad = []
+    names = {type(m).__module__ for _, m in model.named_modules()}
+    for name in sorted(names):
+        module = sys.modules.get(name)
+        if module is None or not name.startswith(("mlx_lm.models.", "mlx_vlm.models.")):
+            continue
+        try:
+            src = inspect.getsource(module)
+        except (OSError, TypeError):
+            continue
+        if "update_and_fetch" in src and "mx.fast.scaled_dot_product_attention" in src:
+            bad.append(name)
+    return bad
+
+
+def make_prompt_cache(
+    model: nn.Module,
+    kv_bits: float = 3.5,
+    kv_quant_scheme: str = "turboquant",
+    *,
+    key_bits: Optional[int] = None,
+    value_bits: Optional[int] = None,
+    seed: int = 0,
+    window: int = 128,
+    affine_group_size: int = 64,
+    max_kv_size: Optional[int] = None,
+) -> list[Any]:
+    """Per-layer caches for ``model`` with the requested KV compression.
+
+    ``"turboquant"``: ``TurboQuantKVCache(kv_bits, ...)`` on every plain
+    ``KVCache`` layer, rotation seed ``seed + layer index``; also installs
+    the attention hook (``integration.install``).  ``"affine"``: mlx's
+    ``QuantizedKVCache(affine_group_size, int(kv_bits))`` on the same layers.
+    ``"fp16"``: the model's own caches (the baseline; the model's dtype).
+    """
+    if kv_quant_scheme not in SCHEMES:
+        raise ValueError(
+            f"make_prompt_cache: unknown kv_quant_scheme={kv_quant_scheme!r}; "
+            f"choose one of {', '.join(SCHEMES)}"
+        )
+    caches = _default_caches(model, max_kv_size)
+    if kv_quant_scheme == "fp16":
+        return caches
+    plain = _plain_kv_types()
+    layers = [i for i, c in enumerate(caches) if type(c) in plain]
+
+    if kv_quant_scheme == "affine":
+        if kv_bits not in _AFFINE_BITS:
+            raise ValueError(
+                f"make_prompt_cache: affine kv_bits={kv_bits!r} is not allowed; "
+                f"choose one of {', '.join(map(str, _AFFINE_BITS))}"
+            )
+        if _is_vlm(model):
+            from mlx_vlm.models.cache import QuantizedKVCache
+        else:
+            from mlx_lm.models.cache import QuantizedKVCache
+        for i in layers:
+            caches[i] = QuantizedKVCache(group_size=affine_group_size, bits=int(kv_bits))
+        return caches
+
+    resolve_bits(kv_bits, key_bits, value_bits)  # fail early with a clear message
+    if layers:
+        bad = _direct_sdpa_modules(model)
+        if bad:
+            raise ValueError(
+                "make_prompt_cache: these model modules call "
+                "mx.fast.scaled_dot_product_attention on the cache output directly, "
+                f"bypassing the TurboQuant attention hook: {', '.join(bad)}; "
+                "use kv_quant_scheme='fp16' or 'affine' for this model"
+            )
+        install()
+    for i in layers:
+        caches[i] = TurboQuantKVCache(
+            kv_bits, key_bits=key_bits, value_bits=value_bits, window=window, seed=seed + i
+        )
+    return caches
