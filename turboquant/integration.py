@@ -26,8 +26,8 @@ from __future__ import annotations
 import sys
 from typing import Any, Callable
 
-from .attention import turboquant_attention
 from .cache import TurboQuantKVCache
+from .kernels import turboquant_attention  # GPU kernels, else the reference path
 
 _BASES = ("mlx_lm.models.base", "mlx_vlm.models.base")
 _NAME = "scaled_dot_product_attention"
