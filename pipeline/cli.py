@@ -104,7 +104,7 @@ def run(job_file: str, pages: str | None, dry_run: bool, retry_failed: bool, eng
         if kind == "ray" and not dry_run:
             from . import ray_engine  # imported only when asked: Ray is heavy
 
-            summary = ray_engine.run_job(job, retry_failed=retry_failed, pages=pages, progress=not no_progress)
+            summary = ray_engine.run_job_on_ray(job, retry_failed=retry_failed, pages=pages, progress=not no_progress)
         else:
             from .runner import run_job
 

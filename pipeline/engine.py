@@ -200,6 +200,7 @@ class Engine:
                 on_tokens(end - start)
         del embeds, positions
         self.prefill_count += 1
+        self.allocated_after_prefill = self.cache_allocated()
         state = _Prefilled(
             length=total,
             prefill_s=time.perf_counter() - t0,
@@ -217,6 +218,11 @@ class Engine:
         return state
 
     def cache_nbytes(self) -> int:
+        """Bytes the cache holds for its tokens (``used_nbytes`` where a cache
+        reserves capacity ahead, else its allocated ``nbytes``)."""
+        return int(sum(getattr(c, "used_nbytes", None) or getattr(c, "nbytes", 0) for c in self.cache or []))
+
+    def cache_allocated(self) -> int:
         return int(sum(getattr(c, "nbytes", 0) for c in self.cache or []))
 
     def _rewind(self, state: _Prefilled) -> None:
@@ -285,12 +291,13 @@ class Engine:
             "scheme": spec.kv_quant_scheme,
             "kv_bits": spec.kv_bits if spec.kv_quant_scheme != "fp16" else None,
             "nbytes_after_prefill": nbytes_prefill,
+            "nbytes_allocated": getattr(self, "allocated_after_prefill", None),
             "prefill_chunk": spec.prefill_chunk,
         }
         if spec.kv_quant_scheme == "turboquant":
             rec.update(key_bits=spec.key_bits, value_bits=spec.value_bits, window=spec.window)
         if nbytes_end is not None:
-            rec["nbytes_peak_task"] = nbytes_end
+            rec["nbytes_end_of_task"] = nbytes_end
         return rec
 
     def iter_process(
