@@ -28,7 +28,7 @@ def test_unit_vector_mse_near_lloyd_max(dim, bits):
 
 @pytest.mark.parametrize("bits", [2, 3, 4])
 def test_preserve_mode_keeps_norm_exactly(bits):
-    codec = TurboQuantCodec(128, bits, HadamardRotation(128, 5))
+    codec = TurboQuantCodec(128, bits, HadamardRotation(128, 5), norm_mode="preserve")
     x = 3.0 * mx.random.normal((500, 128), key=mx.random.key(1)) + 0.5
     rec = codec.dequantize(*codec.quantize(x))
     np.testing.assert_allclose(
@@ -37,6 +37,23 @@ def test_preserve_mode_keeps_norm_exactly(bits):
     rel = float((((rec - x) ** 2).sum(-1) / (x * x).sum(-1)).mean())
     # preserve costs a little over the Lloyd-Max error, never more than ~5%
     assert rel < 1.05 * codec.codebook.mse + 0.005
+
+
+def test_lsq_is_default_and_least_squares():
+    codec = TurboQuantCodec(128, 2, HadamardRotation(128, 6))
+    assert codec.norm_mode == "lsq"
+    x = mx.random.normal((300, 128), key=mx.random.key(8))
+    packed, norms = codec.quantize(x)
+
+    def err(scale_factor):
+        rec = codec.dequantize(packed, (norms.astype(mx.float32) * scale_factor))
+        return float(((rec - x) ** 2).sum(-1).mean())
+
+    e0 = err(1.0)
+    assert e0 < err(1.03) and e0 < err(0.97)
+    pres = TurboQuantCodec(128, 2, HadamardRotation(128, 6), norm_mode="preserve")
+    e_pres = float(((pres.dequantize(*pres.quantize(x)) - x) ** 2).sum(-1).mean())
+    assert e0 < e_pres
 
 
 def test_rotated_paths_agree_and_leading_shapes():

@@ -5,16 +5,19 @@ direction ``u = R x / ‖x‖`` plus one float16 scale.  Decoding in the rotated
 domain is ``scale * centroids[idx]``; attention can stay there because ``R``
 is orthonormal (rotate the query once instead of every key).
 
-Scale (``norm_mode``):
-- ``"preserve"`` (default): ``‖x‖ / ‖ĉ‖`` with ``ĉ = centroids[idx]``, so the
-  reconstruction has exactly the norm of ``x``.
-- ``"lsq"``: ``‖x‖ ⟨u, ĉ⟩ / ‖ĉ‖²``, the least-squares scale (smallest
-  reconstruction error; shrinks the vector slightly).
-``python -m turboquant.bench`` measures both on the same keys/values; the
-default is the one with lower attention-output error there (see
-docs/bench-turboquant.md): keeping the norm keeps the softmax logits at the
-right temperature, while the LSQ scale shrinks every key by ≈(1 - mse/2)
-and so flattens attention.
+Scale (``norm_mode``), both measured by ``python -m turboquant.bench`` on
+the same keys/values (docs/bench-turboquant.md):
+- ``"lsq"`` (default): ``‖x‖ ⟨u, ĉ⟩ / ‖ĉ‖²`` with ``ĉ = centroids[idx]``,
+  the least-squares scale: the smallest reconstruction error.
+- ``"preserve"``: ``‖x‖ / ‖ĉ‖``, so the reconstruction has exactly ``‖x‖``.
+LSQ gave the lower attention-output error in every case measured (all five
+widths, Gaussian and outlier-heavy K/V, with and without centring; e.g.
+1-cos 0.0198 vs 0.0254 at 2 bits on outlier keys).  Why: the Lloyd-Max
+centroid is the conditional mean of its cell, so ``q·ĉ`` is already the
+best estimate of ``q·u`` given the code; scaling ``ĉ`` up to unit length
+(preserve) inflates every logit by ``1/‖ĉ‖`` (≈ +3% at 2 bits) and makes the
+softmax too sharp, while LSQ stays at that estimate (``⟨u, ĉ⟩ ≈ ‖ĉ‖²``) and
+removes the per-vector part of the error along ``ĉ``.
 
 Norms are float16: 2 bytes per vector (the layout budget the byte counts in
 the issue assume: 116 B/token/KV head at 3.5 bits for d=128), a relative
@@ -63,7 +66,7 @@ class TurboQuantCodec:
 
     def __init__(
         self, dim: int, bits: int, rotation: HadamardRotation | None = None,
-        norm_mode: str = "preserve",
+        norm_mode: str = "lsq",
     ):
         if rotation is None:
             rotation = HadamardRotation(dim, 0)
