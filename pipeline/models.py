@@ -233,3 +233,14 @@ def load_model(path: str | None, *, needs_images: bool = False) -> LoadedModel:
         name=path,
         config=config,
     )
+
+
+def main() -> None:
+    """``python -m pipeline.models``: build (or check) both built-in models and
+    print where they are, e.g. to warm the cache on Ray workers or in an image."""
+    for name, build in _BUILTINS.items():
+        print(f"{name}\t{build()}")
+
+
+if __name__ == "__main__":
+    main()

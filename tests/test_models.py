@@ -211,6 +211,12 @@ def test_concurrent_builders_build_once(tmp_path):
     assert log.read_text() == "build\n"
 
 
+def test_main_prints_built_dirs(smollm2_dir, tiny_vlm_dir, capsys):
+    models.main()
+    lines = dict(line.split("\t") for line in capsys.readouterr().out.splitlines())
+    assert lines == {BUILTIN_TEXT: str(smollm2_dir), BUILTIN_VLM: str(tiny_vlm_dir)}
+
+
 def test_models_home(monkeypatch, tmp_path):
     monkeypatch.setenv("TQPIPE_HOME", str(tmp_path))
     assert models.models_home() == tmp_path / "models"
