@@ -1,0 +1,379 @@
+"""Answer quality of compressed KV caches on a real model (SmolLM2-135M-Instruct).
+
+    python -m benchmarks.quality [--tokens 1500] [--depths 0.1,0.5,0.9]
+        [--chunk 256] [--window 128] [--continuation 32] [--json]
+
+Each prompt is a generated document (varied filler sentences) with one
+"needle" fact placed at a known depth and a question about it at the end,
+rendered with the model's chat template.  Every cache configuration reads
+the same prompt the way the pipeline does -- prefill in chunks of
+``--chunk`` tokens, so quantization really happens *during* prefill and
+later chunks attend to already-compressed history -- and is then measured
+two ways:
+
+* teacher-forced over the fp16 greedy continuation (``--continuation``
+  tokens, one decode step per token, each step going through the cache):
+  top-1 next-token agreement with fp16 and mean KL(fp16 || config) of the
+  next-token distributions;
+* needle retrieval: greedy decoding of the answer, correct when it contains
+  the needle's value.
+
+Configurations: the model's own cache (float32 on CPU, where the model runs
+in float32; labelled fp16 as the pipeline's scheme name), mlx-lm's affine
+``QuantizedKVCache`` at 4/8 bits, mlx-vlm's ``TurboQuantKVCache`` (the peer)
+and ours at 2.5/3/3.5/4 bits, ours both with the exact window the pipeline
+uses (``--window``) and with ``window=0`` (the codec alone).  The fp16
+reference is computed once per prompt; everything runs in one process on
+the same token ids.
+
+mlx-vlm's cache has a ``bits`` attribute, which mlx-lm's attention would send
+to its affine kernel; for the peer rows the llama module's attention is
+routed to ``mlx_vlm.models.base.scaled_dot_product_attention`` (its own
+dispatcher), inside this benchmark only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import turboquant  # noqa: F401  (fast CPU BLAS before mlx.core)
+import mlx.core as mx
+
+# ----------------------------------------------------------------- prompts
+_NAMES = ["Amara", "Bruno", "Chen", "Dalia", "Emil", "Farah", "Goran", "Hana", "Ivo", "Jun",
+          "Kofi", "Lena", "Marek", "Nia", "Oskar", "Priya", "Quinn", "Rosa", "Sven", "Tariq"]
+_VERBS = ["repaired", "painted", "measured", "photographed", "carried", "inspected", "described",
+          "cleaned", "sketched", "moved", "catalogued", "weighed", "polished", "labelled"]
+_ADJS = ["old", "narrow", "green", "heavy", "quiet", "wooden", "bright", "dusty", "tall",
+         "curved", "silver", "broken", "shallow", "crowded"]
+_NOUNS = ["bridge", "lantern", "boat", "fence", "window", "staircase", "garden", "map", "bell",
+          "cart", "mill", "tower", "well", "market stall"]
+_PLACES = ["harbour", "north gate", "river bend", "orchard", "old school", "train depot",
+           "lighthouse", "village square", "forest edge", "salt flats"]
+_TIMES = ["at dawn", "before lunch", "in the evening", "after the storm", "on market day",
+          "during the festival", "in late autumn", "at noon", "on a foggy morning"]
+_EXTRAS = [
+    "Nobody in the village remembered who had built it.",
+    "The work took longer than anyone expected.",
+    "A small crowd gathered to watch.",
+    "The weather stayed calm the whole time.",
+    "It was noted in the parish records.",
+    "Children followed along, asking questions.",
+    "The council thanked everyone in a short letter.",
+    "Later that week the rain returned.",
+]
+_COLORS = ["amber", "cobalt", "crimson", "ivory", "jade", "violet", "copper", "scarlet"]
+
+
+def _filler_sentence(rng: random.Random) -> str:
+    s = (f"{rng.choice(_NAMES)} {rng.choice(_VERBS)} the {rng.choice(_ADJS)} "
+         f"{rng.choice(_NOUNS)} near the {rng.choice(_PLACES)} {rng.choice(_TIMES)}.")
+    return s + (" " + rng.choice(_EXTRAS) if rng.random() < 0.3 else "")
+
+
+@dataclass
+class NeedlePrompt:
+    """One generated prompt: token ids, the needle's value and where it sits."""
+
+    ids: list[int]
+    answer: str
+    depth: float
+
+
+def make_needle_prompt(tokenizer: Any, n_tokens: int, depth: float, seed: int = 0) -> NeedlePrompt:
+    """A chat prompt of about ``n_tokens`` tokens with a needle at ``depth`` (0..1).
+
+    The filler is grown sentence by sentence until the rendered prompt
+    reaches ``n_tokens``; the needle sentence is inserted at the sentence
+    boundary closest to ``depth`` of the filler.
+    """
+    rng = random.Random(seed)
+    color = rng.choice(_COLORS)
+    answer = str(rng.randint(1000, 9999))
+    needle = f"The access code for the {color} vault is {answer}."
+    question = f"What is the access code for the {color} vault? Answer with the number only."
+
+    def render(sentences: list[str]) -> list[int]:
+        k = round(depth * len(sentences))
+        doc = " ".join(sentences[:k] + [needle] + sentences[k:])
+        messages = [{"role": "user", "content": f"{doc}\n\n{question}"}]
+        return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+
+    sentences: list[str] = []
+    ids = render(sentences)
+    while len(ids) < n_tokens:
+        # ~20 tokens a sentence: add in batches, then re-render to measure
+        need = max(1, (n_tokens - len(ids)) // 24)
+        sentences += [_filler_sentence(rng) for _ in range(need)]
+        ids = render(sentences)
+    return NeedlePrompt(ids=ids, answer=answer, depth=depth)
+
+
+# ------------------------------------------------------------ configurations
+@dataclass(frozen=True)
+class CacheConfig:
+    """A named way to build the per-layer caches for one run."""
+
+    label: str
+    scheme: str  # "fp16" | "affine" | "turboquant" | "mlx-vlm"
+    bits: float | None = None
+    window: int | None = None
+
+    def build(self, model: Any) -> list:
+        from turboquant import make_prompt_cache
+
+        if self.scheme == "fp16":
+            return make_prompt_cache(model, kv_quant_scheme="fp16")
+        if self.scheme == "affine":
+            return make_prompt_cache(model, kv_bits=self.bits, kv_quant_scheme="affine")
+        if self.scheme == "turboquant":
+            return make_prompt_cache(model, kv_bits=self.bits, window=self.window)
+        if self.scheme == "mlx-vlm":
+            from mlx_vlm.turboquant import TurboQuantKVCache as PeerCache
+
+            route_peer_attention()
+            return [PeerCache(bits=self.bits) for _ in model.layers]
+        raise ValueError(f"benchmarks.quality: unknown scheme {self.scheme!r}")
+
+
+def default_configs(window: int, bits: Sequence[float] = (2.5, 3, 3.5, 4)) -> list[CacheConfig]:
+    configs = [CacheConfig("fp16 (float32 on CPU)", "fp16"),
+               CacheConfig("mlx affine 8-bit", "affine", 8),
+               CacheConfig("mlx affine 4-bit", "affine", 4)]
+    for b in bits:
+        configs.append(CacheConfig(f"mlx-vlm TurboQuant {b:g}", "mlx-vlm", b))
+        configs.append(CacheConfig(f"ours {b:g} (window {window})", "turboquant", b, window))
+        configs.append(CacheConfig(f"ours {b:g} (window 0)", "turboquant", b, 0))
+    return configs
+
+
+def route_peer_attention() -> None:
+    """Send mlx-vlm ``TurboQuantKVCache`` to mlx-vlm's own attention dispatcher.
+
+    Wraps whatever the llama module's attention is now (after our
+    ``turboquant.install()``, so our caches keep their route); idempotent.
+    """
+    import mlx_lm.models.llama as llama_mod
+    from mlx_vlm.models import base as vlm_base
+    from mlx_vlm.turboquant import TurboQuantKVCache as PeerCache
+
+    turboquant.install()
+    current = llama_mod.scaled_dot_product_attention
+    if getattr(current, "_peer_route", False):
+        return
+
+    def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=None):
+        if isinstance(cache, PeerCache):
+            return vlm_base.scaled_dot_product_attention(
+                queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks
+            )
+        return current(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
+
+    scaled_dot_product_attention._peer_route = True
+    llama_mod.scaled_dot_product_attention = scaled_dot_product_attention
+
+
+# ----------------------------------------------------------------- running
+_WINDOW_ATTRS = ("offset", "packed_len", "window_keys", "window_values", "key_mean", "value_mean")
+
+
+def prefill(model: Any, cache: list, ids: Sequence[int], chunk: int) -> mx.array:
+    """Chunked prefill; returns the last position's logits (float32, [vocab]).
+
+    Non-final chunks go through the backbone only (no LM head), as in
+    ``pipeline.engine``.
+    """
+    x = mx.array(list(ids), dtype=mx.int32)[None]
+    n = x.shape[1]
+    for start in range(0, n, chunk):
+        end = min(start + chunk, n)
+        if end < n:
+            model.model(x[:, start:end], cache=cache)
+            mx.eval([c.state for c in cache])
+        else:
+            h = model.model(x[:, start:end], cache=cache)
+            logits = model.lm_head(h[:, -1:]) if hasattr(model, "lm_head") else (
+                model.model.embed_tokens.as_linear(h[:, -1:]))
+    return logits[0, -1].astype(mx.float32)
+
+
+def step(model: Any, cache: list, token: int) -> mx.array:
+    return model(mx.array([[token]], dtype=mx.int32), cache=cache)[0, -1].astype(mx.float32)
+
+
+def _snapshot(cache: list) -> tuple[int, list]:
+    return cache[0].offset, [
+        {a: getattr(c, a) for a in _WINDOW_ATTRS} if hasattr(c, "packed_len") else None for c in cache
+    ]
+
+
+def _rewind(cache: list, snap: tuple[int, list]) -> None:
+    """Back to the snapshot: trim, and restore our cache's exact window (see engine)."""
+    offset, saved = snap
+    for c, s in zip(cache, saved):
+        c.trim(c.offset - offset)
+        for name, value in (s or {}).items():
+            setattr(c, name, value)
+
+
+def greedy(model: Any, cache: list, first_logits: mx.array, n: int, eos: set[int]) -> list[int]:
+    out: list[int] = []
+    logits = first_logits
+    for _ in range(n):
+        tok = int(mx.argmax(logits).item())
+        if tok in eos:
+            break
+        out.append(tok)
+        logits = step(model, cache, tok)
+    return out
+
+
+def teacher_forced(model: Any, cache: list, first_logits: mx.array, tokens: Sequence[int]) -> mx.array:
+    """Log-probabilities [len(tokens), vocab] for the next token at each step."""
+    rows = [first_logits]
+    for tok in tokens[:-1]:
+        rows.append(step(model, cache, tok))
+        mx.eval(rows[-1])
+    return mx.stack([r - mx.logsumexp(r) for r in rows])
+
+
+@dataclass
+class PromptRun:
+    logprobs: mx.array  # [T, vocab], teacher-forced over the reference continuation
+    answer_text: str
+    kv_bytes: int
+    seconds: float
+
+
+def run_prompt(model: Any, tokenizer: Any, config: CacheConfig, prompt: NeedlePrompt,
+               reference: Sequence[int] | None, *, chunk: int, answer_tokens: int,
+               continuation: int, eos: set[int]) -> tuple[PromptRun, list[int]]:
+    """Prefill once; greedy-decode the answer; rewind; teacher-force ``reference``.
+
+    With ``reference=None`` (the fp16 run) the greedy continuation of length
+    ``continuation`` *is* the reference and is returned.
+    """
+    t0 = time.perf_counter()
+    cache = config.build(model)
+    first = prefill(model, cache, prompt.ids, chunk)
+    mx.eval(first)
+    snap = _snapshot(cache)
+    gen = greedy(model, cache, first, max(answer_tokens, continuation if reference is None else 0), eos)
+    kv_bytes = sum(c.nbytes for c in cache)
+    _rewind(cache, snap)
+    if reference is None:
+        reference = gen[:continuation] or [int(mx.argmax(first).item())]
+    logprobs = teacher_forced(model, cache, first, reference)
+    mx.eval(logprobs)
+    text = tokenizer.decode(gen[:answer_tokens])
+    return PromptRun(logprobs, text, kv_bytes, time.perf_counter() - t0), list(reference)
+
+
+def compare(ref: mx.array, other: mx.array) -> tuple[float, float]:
+    """(top-1 agreement, mean KL(ref || other)) over the rows of two log-prob tables."""
+    top1 = mx.mean(mx.argmax(ref, axis=-1) == mx.argmax(other, axis=-1)).item()
+    kl = mx.sum(mx.exp(ref) * (ref - other), axis=-1)
+    return float(top1), float(mx.mean(mx.maximum(kl, 0.0)).item())
+
+
+@dataclass
+class ConfigResult:
+    label: str
+    scheme: str
+    bits: float | None
+    window: int | None
+    top1: float = 0.0
+    kl: float = 0.0
+    needle: float = 0.0
+    kv_bytes: float = 0.0
+    seconds: float = 0.0
+    answers: list[str] = field(default_factory=list)
+
+
+def evaluate(model: Any, tokenizer: Any, prompts: Sequence[NeedlePrompt], configs: Sequence[CacheConfig],
+             *, chunk: int = 256, answer_tokens: int = 20, continuation: int = 32,
+             log: Callable[[str], None] = lambda s: None) -> list[ConfigResult]:
+    """All configs on all prompts; ``configs[0]`` must be the fp16 reference."""
+    if configs[0].scheme != "fp16":
+        raise ValueError("benchmarks.quality.evaluate: the first config must be the fp16 reference")
+    eos = set(getattr(tokenizer, "eos_token_ids", None) or [])
+    refs: list[tuple[mx.array, list[int]]] = []
+    results = []
+    for config in configs:
+        res = ConfigResult(config.label, config.scheme, config.bits, config.window)
+        for i, prompt in enumerate(prompts):
+            reference = refs[i][1] if i < len(refs) else None
+            run, tokens = run_prompt(model, tokenizer, config, prompt, reference, chunk=chunk,
+                                     answer_tokens=answer_tokens, continuation=continuation, eos=eos)
+            if len(refs) < len(prompts):
+                refs.append((run.logprobs, tokens))
+            top1, kl = compare(refs[i][0], run.logprobs)
+            res.top1 += top1 / len(prompts)
+            res.kl += kl / len(prompts)
+            res.needle += (prompt.answer in run.answer_text) / len(prompts)
+            res.kv_bytes += run.kv_bytes / len(prompts)
+            res.seconds += run.seconds
+            res.answers.append(run.answer_text.strip())
+            mx.clear_cache()
+        log(f"{res.label:28s} top1 {res.top1:.4f}  KL {res.kl:.5f}  needle {res.needle:.2f}  "
+            f"({res.seconds:.0f} s)  answers {res.answers}")
+        results.append(res)
+    return results
+
+
+# --------------------------------------------------------------------- CLI
+def format_table(results: Sequence[ConfigResult]) -> str:
+    peer = {r.bits: r.kl for r in results if r.scheme == "mlx-vlm"}
+    lines = ["| cache | top-1 agreement | mean KL | KL / mlx-vlm TQ | needle acc. | KV bytes |",
+             "|---|---:|---:|---:|---:|---:|"]
+    for r in results:
+        rel = f"{r.kl / peer[r.bits]:.2f}x" if r.scheme == "turboquant" and peer.get(r.bits) else ""
+        lines.append(f"| {r.label} | {100 * r.top1:.2f}% | {r.kl:.5f} | {rel} | "
+                     f"{100 * r.needle:.0f}% | {r.kv_bytes / 1e6:.2f} MB |")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.quality", description=__doc__.split("\n\n")[0])
+    p.add_argument("--tokens", type=int, default=1500, help="prompt length in tokens")
+    p.add_argument("--depths", default="0.1,0.5,0.9", help="needle depths, one prompt each")
+    p.add_argument("--chunk", type=int, default=256, help="prefill chunk size")
+    p.add_argument("--window", type=int, default=128, help="our exact window (also run with 0)")
+    p.add_argument("--bits", default="2.5,3,3.5,4")
+    p.add_argument("--continuation", type=int, default=32, help="teacher-forced tokens")
+    p.add_argument("--answer-tokens", type=int, default=20)
+    p.add_argument("--json", action="store_true", help="also print one JSON line")
+    a = p.parse_args(argv)
+
+    from pipeline.models import load_model
+
+    t0 = time.perf_counter()
+    loaded = load_model(None)
+    model, tokenizer = loaded.model, loaded.tokenizer
+    depths = [float(d) for d in a.depths.split(",")]
+    prompts = [make_needle_prompt(tokenizer, a.tokens, d, seed=i) for i, d in enumerate(depths)]
+    configs = default_configs(a.window, [float(b) for b in a.bits.split(",")])
+    print(f"model: {loaded.name} (float32 on CPU); prompts: {[len(q.ids) for q in prompts]} tokens, "
+          f"needle depths {depths}; prefill chunk {a.chunk}; teacher-forced {a.continuation} tokens",
+          flush=True)
+    results = evaluate(model, tokenizer, prompts, configs, chunk=a.chunk, answer_tokens=a.answer_tokens,
+                       continuation=a.continuation, log=lambda s: print(s, flush=True))
+    print()
+    print(format_table(results))
+    print(f"\ntotal {time.perf_counter() - t0:.0f} s on {platform.machine()} CPU")
+    if a.json:
+        print(json.dumps({"prompt_tokens": [len(q.ids) for q in prompts], "depths": depths,
+                          "chunk": a.chunk, "window": a.window, "continuation": a.continuation,
+                          "results": [r.__dict__ for r in results]}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

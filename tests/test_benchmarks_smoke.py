@@ -1,0 +1,135 @@
+"""Smoke runs of the model-level benchmarks on tiny configs.
+
+They check that the numbers the benchmarks print come from real
+measurements: memory figures from a fresh process per cache that match the
+cache's known size, quality metrics that are exactly 1.0 / 0.0 when a config
+is compared with itself and move when the cache really quantizes.
+"""
+
+import math
+
+import mlx.core as mx
+import pytest
+
+from benchmarks import memory, quality
+
+TINY_MEMORY = dict(memory.KV_HEAVY_LLAMA, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                   num_attention_heads=2, num_key_value_heads=2, head_dim=64, vocab_size=128)
+
+
+# ------------------------------------------------------------------ memory
+def test_memory_workers_measure_their_own_process():
+    opts = dict(tokens=600, chunk=256, decode=4, model_args=TINY_MEMORY)
+    full = memory.measure_in_subprocess("fp16", **opts)
+    tq = memory.measure_in_subprocess("turboquant", **opts)
+    # The float32 cache grows in 256-token steps: 600 document + 4 task + 3
+    # decode tokens sit in 768 slots, keys and values, 2 layers x 2 heads x 64.
+    assert full["kv_bytes"] == 768 * 2 * 2 * 64 * 4 * 2
+    assert full["generated"] == tq["generated"] == 4
+    for r in (full, tq):
+        # a process high-water mark holds at least the weights and the cache at once
+        assert r["peak_bytes"] >= r["weights_bytes"] + r["kv_bytes"]
+        assert r["maxrss_bytes"] >= r["loaded_maxrss_bytes"] > 0
+    assert full["weights_bytes"] == tq["weights_bytes"]
+    assert tq["kv_bytes"] < full["kv_bytes"] / 2
+    cmp = memory.compare(full, tq)
+    assert cmp["ratio_peak"] == pytest.approx(
+        (full["peak_bytes"] - tq["peak_bytes"]) / (full["kv_bytes"] - tq["kv_bytes"])
+    )
+
+
+def test_memory_compare_formulas():
+    full = {"kv_bytes": 600, "peak_bytes": 1000, "maxrss_bytes": 2000, "loaded_active_bytes": 100}
+    tq = {"kv_bytes": 100, "peak_bytes": 300, "maxrss_bytes": 1600}
+    cmp = memory.compare(full, tq)
+    assert cmp["ratio_peak"] == pytest.approx(700 / 500)
+    assert cmp["ratio_maxrss"] == pytest.approx(400 / 500)
+    assert cmp["kv_compression"] == pytest.approx(6.0)
+    # fp16 baseline: cache 300 B; estimate peak 1000 - 300, lower bound 100 + 900 / 2
+    assert cmp["fp16_ratio_peak_estimate"] == pytest.approx((700 - 300) / 200)
+    assert cmp["fp16_ratio_peak_lower_bound"] == pytest.approx((550 - 300) / 200)
+    with pytest.raises(ValueError, match="no KV saving"):
+        memory.compare(full, dict(tq, kv_bytes=600))
+
+
+# ----------------------------------------------------------------- quality
+class CharTokenizer:
+    """One token per character (codes < 128), with a minimal chat template."""
+
+    eos_token_ids: list[int] = []
+
+    def encode(self, text: str) -> list[int]:
+        return [ord(c) % 128 for c in text]
+
+    def apply_chat_template(self, messages, add_generation_prompt=False):
+        text = "".join(f"<{m['role']}>{m['content']}" for m in messages)
+        return self.encode(text + ("<assistant>" if add_generation_prompt else ""))
+
+    def decode(self, ids) -> str:
+        return "".join(chr(i) for i in ids)
+
+
+@pytest.fixture(scope="module")
+def tiny_lm():
+    from mlx_lm.models import llama
+
+    mx.random.seed(3)
+    model = llama.Model(llama.ModelArgs(
+        model_type="llama", hidden_size=64, num_hidden_layers=2, intermediate_size=128,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=64, rms_norm_eps=1e-5,
+        vocab_size=128, tie_word_embeddings=True))
+    model.set_dtype(mx.float32)
+    mx.eval(model.parameters())
+    return model
+
+
+def test_needle_prompt_places_the_fact_at_its_depth():
+    tok = CharTokenizer()
+    for depth in (0.1, 0.9):
+        p = quality.make_needle_prompt(tok, 1200, depth, seed=5)
+        text = tok.decode(p.ids)
+        assert len(p.ids) >= 1200
+        assert text.endswith("Answer with the number only.<assistant>")
+        pos = text.index(f"vault is {p.answer}.")
+        assert abs(pos / len(text) - depth) < 0.1
+    assert quality.make_needle_prompt(tok, 500, 0.5, seed=1).ids == quality.make_needle_prompt(tok, 500, 0.5, seed=1).ids
+
+
+def test_compare_is_exact_for_identical_and_matches_hand_kl():
+    a = mx.log(mx.array([[0.5, 0.25, 0.25], [0.1, 0.8, 0.1]]))
+    assert quality.compare(a, a) == (1.0, 0.0)
+    b = mx.log(mx.array([[0.25, 0.5, 0.25], [0.1, 0.8, 0.1]]))
+    top1, kl = quality.compare(a, b)
+    assert top1 == 0.5
+    assert kl == pytest.approx((0.5 * math.log(2) + 0.25 * math.log(0.5)) / 2, rel=1e-5)
+
+
+def test_evaluate_fp16_against_itself_and_quantized(tiny_lm):
+    tok = CharTokenizer()
+    prompts = [quality.make_needle_prompt(tok, 300, d, seed=i) for i, d in enumerate((0.2, 0.8))]
+    configs = [
+        quality.CacheConfig("fp16", "fp16"),
+        quality.CacheConfig("fp16 again", "fp16"),
+        quality.CacheConfig("ours, window covers all", "turboquant", 4, 4096),
+        quality.CacheConfig("ours 2.5, window 0", "turboquant", 2.5, 0),
+        quality.CacheConfig("mlx-vlm 2.5", "mlx-vlm", 2.5),
+        quality.CacheConfig("affine 4", "affine", 4),
+    ]
+    res = {r.label: r for r in quality.evaluate(tiny_lm, tok, prompts, configs, chunk=64,
+                                                answer_tokens=4, continuation=6)}
+    ref, again = res["fp16"], res["fp16 again"]
+    assert (ref.top1, ref.kl) == (1.0, 0.0)
+    assert (again.top1, again.kl, again.answers) == (1.0, 0.0, ref.answers)
+    # nothing quantized: only float rounding between two attention implementations
+    assert res["ours, window covers all"].top1 == 1.0
+    assert res["ours, window covers all"].kl < 1e-5
+    for label in ("ours 2.5, window 0", "mlx-vlm 2.5", "affine 4"):
+        r = res[label]
+        assert 1e-6 < r.kl < 10 and 0.0 <= r.top1 <= 1.0, label
+        assert 0 < r.kv_bytes < ref.kv_bytes, label
+    assert "|" in quality.format_table(list(res.values()))
+
+
+def test_evaluate_requires_fp16_reference_first(tiny_lm):
+    with pytest.raises(ValueError, match="first config must be the fp16 reference"):
+        quality.evaluate(tiny_lm, CharTokenizer(), [], [quality.CacheConfig("x", "affine", 4)])
