@@ -59,7 +59,9 @@ def mlx_cuda_source(name: str, in_types: list[str], out_types: list[str],
     return src
 
 
-def compile_cuda(src: str, name: str, arch: str = "sm_90") -> tuple[bool, str]:
+def compile_cuda(src: str, name: str, arch: str = "sm_90", cubin: str = "") -> tuple[bool, str]:
+    """NVRTC-compile ``src``; returns (ok, log).  Writes the cubin to ``cubin`` if given
+    (``cuobjdump --dump-sass`` reads it)."""
     lib = ctypes.CDLL(os.environ["TQ_NVRTC_LIB"])
     prog = ctypes.c_void_p()
     rc = lib.nvrtcCreateProgram(ctypes.byref(prog), src.encode(), f"{name}.cu".encode(),
@@ -75,6 +77,12 @@ def compile_cuda(src: str, name: str, arch: str = "sm_90") -> tuple[bool, str]:
     lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
     log = ctypes.create_string_buffer(size.value + 1)
     lib.nvrtcGetProgramLog(prog, log)
+    if rc == 0 and cubin:
+        n = ctypes.c_size_t()
+        lib.nvrtcGetCUBINSize(prog, ctypes.byref(n))
+        buf = ctypes.create_string_buffer(n.value)
+        lib.nvrtcGetCUBIN(prog, buf)
+        Path(cubin).write_bytes(buf.raw)
     lib.nvrtcDestroyProgram(ctypes.byref(prog))
     return rc == 0, log.value.decode(errors="replace")
 
@@ -82,13 +90,13 @@ def compile_cuda(src: str, name: str, arch: str = "sm_90") -> tuple[bool, str]:
 CASES = [
     ("tq_decode", ["float32", "uint32", "float16", "uint32", "float16", "float32", "float32", "int32"],
      ["float32"] * 3,
-     [("D", 128), ("BK", 3), ("BV", 4), ("GL", 4), ("DPT", 16), ("NW", 8)]),
+     [("D", 128), ("BK", 3), ("BV", 4), ("GL", 4), ("DPT", 16), ("NW", 8), ("U", 4)]),
     ("tq_decode", ["float32", "uint32", "float16", "uint32", "float16", "float32", "float32", "int32"],
      ["float32"] * 3,
-     [("D", 256), ("BK", 2), ("BV", 3), ("GL", 8), ("DPT", 8), ("NW", 4)]),
+     [("D", 256), ("BK", 2), ("BV", 3), ("GL", 8), ("DPT", 8), ("NW", 4), ("U", 2)]),
     ("tq_decode", ["float32", "uint32", "float16", "uint32", "float16", "float32", "float32", "int32"],
      ["float32"] * 3,
-     [("D", 64), ("BK", 4), ("BV", 4), ("GL", 1), ("DPT", 16), ("NW", 8)]),
+     [("D", 64), ("BK", 4), ("BV", 4), ("GL", 1), ("DPT", 16), ("NW", 8), ("U", 4)]),
     ("tq_decode_reduce", ["float32", "float32", "float32", "int32"], ["float32"] * 2,
      [("D", 128), ("GL", 4)]),
     ("tq_dequant", ["uint32", "float16", "float32", "float32", "int32"], ["float16"],

@@ -167,6 +167,11 @@ def bench_decode(lengths, results, bw):
             cs = [c0] + [tq_cache(n, kv_bits, seed=i + 1) for i in range(copies_for(c0.nbytes) - 1)]
             t = timeit([tq_decode_fn(c, q_rot) for c in cs])
             row[f"turboquant {kv_bits}-bit"] = (t, c0.nbytes)
+            if kv_bits == 3.5:  # whole attention: rotations, 128-token window, merge
+                wk = mx.random.normal((1, HKV, 128, D)).astype(mx.float16)
+                t = timeit([lambda c=c: kernels._decode_attention(q, wk, wk, c, SCALE, None)
+                            for c in cs])
+                row["tq 3.5 + window, full"] = (t, c0.nbytes + 2 * wk.nbytes)
             del cs, c0
         base = row["fp16 sdpa"][0]
         for name, (t, nbytes) in row.items():
@@ -185,19 +190,21 @@ def bench_decode_variants(n, results):
     print(f"\n== decode kernel launch shapes at {n} tokens, 3.5-bit")
     best = None
     for dpt in (8, 16):
-        for nw in (4, 8):
-            for blocks in (264, 528, 1056):
-                os.environ.update(TQ_DECODE_DPT=str(dpt), TQ_DECODE_NW=str(nw), TQ_DECODE_BLOCKS=str(blocks))
-                try:
-                    t = timeit([tq_decode_fn(c, q_rot) for c in cs], repeats=5)
-                except Exception as e:  # noqa: BLE001
-                    print(f"  DPT={dpt} NW={nw} blocks={blocks}: failed {e}")
-                    continue
-                print(f"  DPT={dpt:>2} NW={nw} blocks={blocks:>4}: {t * 1e3:.4f} ms")
-                results.setdefault("variants", {})[f"{n}/{dpt}/{nw}/{blocks}"] = t
-                if best is None or t < best[0]:
-                    best = (t, dpt, nw, blocks)
-    for key in ("TQ_DECODE_DPT", "TQ_DECODE_NW", "TQ_DECODE_BLOCKS"):
+        for u in (2, 4):
+            for nw in (4, 8):
+                for blocks in (264, 528, 1056):
+                    os.environ.update(TQ_DECODE_DPT=str(dpt), TQ_DECODE_NW=str(nw),
+                                      TQ_DECODE_BLOCKS=str(blocks), TQ_DECODE_U=str(u))
+                    try:
+                        t = timeit([tq_decode_fn(c, q_rot) for c in cs], repeats=5)
+                    except Exception as e:  # noqa: BLE001
+                        print(f"  DPT={dpt} U={u} NW={nw} blocks={blocks}: failed {e}")
+                        continue
+                    print(f"  DPT={dpt:>2} U={u} NW={nw} blocks={blocks:>4}: {t * 1e3:.4f} ms")
+                    results.setdefault("variants", {})[f"{n}/{dpt}/{u}/{nw}/{blocks}"] = t
+                    if best is None or t < best[0]:
+                        best = (t, dpt, u, nw, blocks)
+    for key in ("TQ_DECODE_DPT", "TQ_DECODE_NW", "TQ_DECODE_BLOCKS", "TQ_DECODE_U"):
         os.environ.pop(key, None)
     return best
 
@@ -281,9 +288,10 @@ def main() -> int:
     if args.sweep:
         best = bench_decode_variants(parse_len(args.sweep), results)
         if best:
-            _, dpt, nw, blocks = best
-            print(f"  best: DPT={dpt} NW={nw} blocks={blocks} (used below)")
-            os.environ.update(TQ_DECODE_DPT=str(dpt), TQ_DECODE_NW=str(nw), TQ_DECODE_BLOCKS=str(blocks))
+            _, dpt, u, nw, blocks = best
+            print(f"  best: DPT={dpt} U={u} NW={nw} blocks={blocks} (used below)")
+            os.environ.update(TQ_DECODE_DPT=str(dpt), TQ_DECODE_NW=str(nw),
+                              TQ_DECODE_BLOCKS=str(blocks), TQ_DECODE_U=str(u))
             results["best_variant"] = best
     bench_decode([parse_len(s) for s in args.lengths.split(",") if s], results, bw)
     bench_append(parse_len("32k"), results)

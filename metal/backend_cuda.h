@@ -9,6 +9,7 @@
 #define TQ_DEVICE                     // global pointers need no qualifier
 #define TQ_BARRIER() __syncthreads()
 #define TQ_SHFL_XOR(x, m) __shfl_xor_sync(0xffffffffu, (x), (m))
+#define TQ_ANY(p) __any_sync(0xffffffffu, (p))
 #define TQ_EXP2(x) exp2f(x)
 #define TQ_LOG2(x) log2f(x)
 #define TQ_SQRT(x) sqrtf(x)

@@ -39,7 +39,6 @@ import mlx.core as mx
 
 SOURCE_DIR = Path(__file__).resolve().parent.parent / "metal"
 MODES = ("auto", "gpu", "reference")
-LOG2E = 1.4426950408889634
 
 # name -> (input names, output names)
 _SIGNATURES = {
@@ -152,18 +151,39 @@ def decode_config(d: int, rows: int, b_hkv: int, n: int) -> Optional[dict]:
     """
     dpt = int(os.environ.get("TQ_DECODE_DPT", 0)) or (16 if rows <= 4 else 8 if rows <= 8 else 4)
     dpt = max(dpt, d // 32)
+    u = int(os.environ.get("TQ_DECODE_U", 0)) or 4
     if d % dpt or (d // dpt) & (d // dpt - 1) or rows * dpt > 128 or d > 256:
         return None
     gpw = 32 // (d // dpt)
     nw = int(os.environ.get("TQ_DECODE_NW", 0)) or 8
     while nw > 1 and nw * rows * d * 4 > 40960:  # threadgroup memory budget
         nw //= 2
-    step = 4 * nw * gpw  # tokens one threadgroup covers per loop step
+    step = u * nw * gpw  # tokens one threadgroup covers per loop step
     target = int(os.environ.get("TQ_DECODE_BLOCKS", 528))
     splits = max(1, -(-target // max(1, b_hkv)))
     toks = max(step, -(-n // splits))
     toks = -(-toks // step) * step
-    return {"DPT": dpt, "NW": nw, "TOKS": toks, "S": -(-n // toks)}
+    return {"DPT": dpt, "NW": nw, "U": u, "TOKS": toks, "S": -(-n // toks)}
+
+
+@lru_cache(maxsize=4096)
+def _meta(*values: int) -> mx.array:
+    """Small int32 parameter arrays, cached: building one from Python is a
+    host-to-device copy per call, which dominates short decode steps."""
+    return mx.array(values, dtype=mx.int32)
+
+
+@lru_cache(maxsize=None)
+def _codebook_arrays(bits: int, dim: int) -> tuple[mx.array, mx.array]:
+    """(boundaries, centroids) float32 on the device, made once per width."""
+    from .codebooks import codebook
+
+    cb = codebook(bits, dim)
+    return cb.boundaries_mx(), cb.centroids_mx()
+
+
+def _f32(x: mx.array) -> mx.array:
+    return x if x.dtype == mx.float32 else x.astype(mx.float32)
 
 
 def decode(
@@ -189,15 +209,15 @@ def decode(
     if cfg is None:
         raise ValueError(f"decode kernel: unsupported head dim {D} with {R} query rows")
     cap = keys_packed.shape[2]
-    meta = mx.array([n, cap, cfg["TOKS"], H, cfg["S"]], dtype=mx.int32)
-    q = (q_rot.astype(mx.float32) * LOG2E).reshape(B, H, R, D)
+    meta = _meta(n, cap, cfg["TOKS"], H, cfg["S"])
+    q = _f32(q_rot)
     S, NW = cfg["S"], cfg["NW"]
     po, pm, pl = _launch(
         "tq_decode",
         inputs=[q, keys_packed, keys_norms, values_packed, values_norms,
-                key_centroids.astype(mx.float32), value_centroids.astype(mx.float32), meta],
+                _f32(key_centroids), _f32(value_centroids), meta],
         template=[("D", D), ("BK", key_bits), ("BV", value_bits), ("GL", R),
-                  ("DPT", cfg["DPT"]), ("NW", NW)],
+                  ("DPT", cfg["DPT"]), ("NW", NW), ("U", cfg["U"])],
         grid=(S * NW * 32, H, B), threadgroup=(NW * 32, 1, 1),
         output_shapes=[(B, H, S, R, D), (B, H, S, R), (B, H, S, R)],
         output_dtypes=[mx.float32] * 3,
@@ -229,11 +249,10 @@ def dequantize(
     B, H = packed.shape[:2]
     if mean_rot is None:
         mean_rot = mx.zeros((B, H, dim), mx.float32)
-    meta = mx.array([n, packed.shape[2]], dtype=mx.int32)
+    meta = _meta(n, packed.shape[2])
     (out,) = _launch(
         "tq_dequant",
-        inputs=[packed, norms, centroids.astype(mx.float32),
-                mean_rot.astype(mx.float32).reshape(B, H, dim), meta],
+        inputs=[packed, norms, _f32(centroids), _f32(mean_rot).reshape(B, H, dim), meta],
         template=[("D", dim), ("BITS", bits), ("T", dtype)],
         grid=(n * dim, H, B), threadgroup=(256, 1, 1),
         output_shapes=[(B, H, n, dim)], output_dtypes=[dtype],
@@ -254,10 +273,10 @@ def quantize(x: mx.array, codec) -> tuple[mx.array, mx.array]:
         raise ValueError(f"quantize kernel: needs a power-of-two Hadamard dim, got {rot!r}")
     lead = x.shape[:-1]
     m = math.prod(lead)
+    bounds, cents = _codebook_arrays(codec.bits, d)
     packed, norms = _launch(
         "tq_quantize",
-        inputs=[x.reshape(m, d), rot.signs.astype(mx.float32),
-                codec.codebook.boundaries_mx(), codec.centroids.astype(mx.float32)],
+        inputs=[x.reshape(m, d), _f32(rot.signs), bounds, cents],
         template=[("D", d), ("BITS", codec.bits), ("T", x.dtype)],
         grid=(m * d, 1, 1), threadgroup=(d, 1, 1),
         output_shapes=[(m, codec.words), (m,)], output_dtypes=[mx.uint32, mx.float16],
