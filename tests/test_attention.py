@@ -173,3 +173,22 @@ def test_peak_memory_stays_bounded_by_one_block():
     mx.eval(turboquant_attention(q, wk, wv, c, D**-0.5, None))
     extra = mx.get_peak_memory() - base
     assert extra < dense_bytes / 4, (extra, dense_bytes)
+
+
+def test_batch_and_half_precision_window():
+    """B=2 (per-row means and codes) and a float16 model: the window stays
+    float16, the maths runs in float32, the output comes back in float16."""
+    mx.random.seed(5)
+    B, H_kv, G, D = 2, 2, 2, 64
+    c = TurboQuantKVCache(3, window=8)
+    off = mx.array([[[[0.0]]], [[[4.0]]]])  # different offsets per batch row
+    c.update_and_fetch((mx.random.normal((B, H_kv, 50, D)) + off).astype(mx.float16),
+                       mx.random.normal((B, H_kv, 50, D)).astype(mx.float16))
+    wk, wv = c.update_and_fetch(mx.random.normal((B, H_kv, 3, D)).astype(mx.float16),
+                                mx.random.normal((B, H_kv, 3, D)).astype(mx.float16))
+    assert wk.dtype == mx.float16 and c.key_mean.shape == (B, H_kv, 1, D)
+    assert abs(c.key_mean[1].mean().item() - 4.0) < 0.2
+    q = mx.random.normal((B, H_kv * G, 3, D)).astype(mx.float16)
+    out = turboquant_attention(q, wk, wv, c, D**-0.5, "causal")
+    assert out.dtype == mx.float16
+    close(out.astype(mx.float32), dense_reference(q, c, wk, wv, D**-0.5, "causal"), tol=2e-3)
