@@ -87,6 +87,7 @@ class Engines:
         self.job = job
         self._loader = loader
         self._engines: dict[bool, Any] = {}
+        self._errors: dict[bool, Exception] = {}
         self.loads = 0
 
     def get(self, needs_images: bool) -> Any:
@@ -94,11 +95,17 @@ class Engines:
 
         path = self.job.spec.model.path
         slot = bool(needs_images) if path is None else False
+        if slot in self._errors:  # don't retry a failed load for every document
+            raise self._errors[slot]
         if slot not in self._engines:
             loader = self._loader
             if loader is None:
                 from .models import load_model as loader
-            loaded = loader(path, needs_images=slot)
+            try:
+                loaded = loader(path, needs_images=slot)
+            except Exception as e:
+                self._errors[slot] = e
+                raise
             self.loads += 1
             logger.info("loaded model %s (%s)", loaded.name, loaded.kind)
             self._engines[slot] = Engine(loaded, self.job.spec.cache)
@@ -185,8 +192,12 @@ def process_document(
     digest: str | None = None,
     on_prefill: Callable[[int], None] | None = None,
     on_token: Callable[[int], None] | None = None,
+    on_prompt: Callable[[DocumentPrompt], None] | None = None,
 ) -> Iterator[dict]:
     """Yield one record per task of ``ref`` (ok or error); writes nothing.
+
+    ``on_prompt`` sees the tokenized document before prefill (progress bars
+    use it for their totals); ``on_prefill``/``on_token`` get token counts.
 
     A document that can't be read, doesn't fit, or fails in the model
     becomes error records for its tasks; the caller goes on with the next.
@@ -215,6 +226,8 @@ def process_document(
         prompt = PromptBuilder(loaded.tokenizer, processor=loaded.processor, kind=loaded.kind).build(
             doc, job.spec.context, tasks
         )
+        if on_prompt is not None:
+            on_prompt(prompt)
         stage = "prefill"
         for result in engine.iter_process(prompt, tasks, on_prefill=on_prefill, on_token=on_token):
             task = pending.pop(0)
@@ -340,7 +353,10 @@ def run_job(
                 if digest is not None:
                     keys = task_keys(job, digest)
                     todo = [t for t in tasks if not log.is_done(keys[t.name], include_failed=not retry_failed)]
-                    summary.failed += sum(1 for t in tasks if t not in todo and keys[t.name] in log.failed_keys)
+                    if not retry_failed:  # failures from earlier runs still count for the exit code
+                        summary.failed += sum(
+                            1 for t in tasks if not log.is_done(keys[t.name], include_failed=False) and t not in todo
+                        )
                 else:
                     todo = list(tasks)
                 if not todo:
@@ -364,20 +380,25 @@ def _run_document(engines, job, ref, todo, pages, digest, log, summary, progress
     from .progress import make_progress
 
     bars = []
-    on_prefill = on_token = None
+    on_prefill = on_token = on_prompt = None
     if progress:
         prefill_bar = make_progress(None, f"prefill {ref.doc_id}", "tok", position=1, leave=False)
         decode_bar = make_progress(sum(t.max_tokens for t in todo), f"decode {ref.doc_id}", "tok", position=2, leave=False)
         bars = [prefill_bar, decode_bar]
         on_prefill, on_token = prefill_bar.update, decode_bar.update
+
+        def on_prompt(prompt: DocumentPrompt) -> None:
+            prefill_bar.reset(total=prompt.n_tokens)
     failed = False
+    ok: list[dict] = []
     try:
         for record in process_document(engines, job, ref, tasks=todo, pages=pages, digest=digest,
-                                       on_prefill=on_prefill, on_token=on_token):
+                                       on_prefill=on_prefill, on_token=on_token, on_prompt=on_prompt):
             log.append(record)
             summary.records_written += 1
             if record["status"] == "ok":
                 summary.done += 1
+                ok.append(record)
             else:
                 summary.failed += 1
                 failed = True
@@ -387,6 +408,14 @@ def _run_document(engines, job, ref, todo, pages, digest, log, summary, progress
             bar.close()
     if failed:
         summary.failed_documents.append(ref.doc_id)
+    if ok:  # one plain line per document, terminal or cron
+        t = ok[0]["timing"]
+        logger.info(
+            "%s: %d tokens prefilled in %.1f s, %d tasks, %d tokens generated in %.1f s, KV cache %.1f MiB (%s)",
+            ref.doc_id, ok[0]["tokens"]["document"], t["prefill_s"], len(ok),
+            sum(r["tokens"]["generated"] for r in ok), sum(r["timing"]["decode_s"] for r in ok),
+            ok[0]["cache"]["nbytes_after_prefill"] / 2**20, ok[0]["cache"]["scheme"],
+        )
 
 
 def _dry_line(row: dict) -> str:

@@ -187,3 +187,15 @@ def test_lock_held_stops_the_run(tmp_path, docs, tiny_vlm_dir):
         with pytest.raises(LockHeldError):
             run_job(job, progress=False)
     assert not job.output_path.exists() or records(job) == []
+
+
+def test_progress_becomes_log_lines_without_a_terminal(tmp_path, docs, tiny_vlm_dir, monkeypatch, caplog):
+    import logging
+
+    monkeypatch.setenv("TQPIPE_PROGRESS", "log")
+    job = load_job(write_job(tmp_path, model=str(tiny_vlm_dir)))
+    with caplog.at_level(logging.INFO):
+        run_job(job, progress=True)
+    text = caplog.text
+    assert "documents 2/2" in text and "\r" not in text
+    assert "docs/a.pdf: " in text and "tokens prefilled in" in text  # one summary line per document
