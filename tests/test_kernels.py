@@ -108,6 +108,13 @@ def test_decode_config_rejects_uncovered_shapes():
     assert kernels.decode_config(512, 1, 8, 100) is None
 
 
+def test_supports_quantize():
+    assert kernels.supports_quantize(TurboQuantCodec(128, 3, HadamardRotation(128, 1)))
+    assert kernels.supports_quantize(TurboQuantCodec(64, 2, HadamardRotation(64, 1)))
+    assert not kernels.supports_quantize(TurboQuantCodec(96, 3, HadamardRotation(96, 1)))
+    assert not kernels.supports_quantize(TurboQuantCodec(128, 3, norm_mode="lsq"))
+
+
 def test_reference_fallback_on_cpu(monkeypatch):
     """Without a GPU, kernels.turboquant_attention is the reference path."""
     from turboquant.attention import turboquant_attention as reference

@@ -31,6 +31,7 @@ from __future__ import annotations
 import hashlib
 import math
 import os
+import weakref
 from functools import lru_cache
 from pathlib import Path
 from typing import Optional
@@ -147,7 +148,8 @@ def decode_config(d: int, rows: int, b_hkv: int, n: int) -> Optional[dict]:
     ``DPT`` dims per lane keeps ``rows * DPT`` (queries + accumulators in
     registers) near 64; ``D / DPT`` lanes share a token and must divide the
     32-lane warp.  Splits target a few waves of threadgroups over the GPU
-    (``TQ_DECODE_BLOCKS``, default 528 = 4 x 132 H200 SMs).
+    (``TQ_DECODE_BLOCKS``, default 264 = 2 x 132 H200 SMs; measured best of
+    264/528/1056 at 512k tokens, with DPT=16, U=4, NW=8 -- docs/bench-gpu.md).
     """
     dpt = int(os.environ.get("TQ_DECODE_DPT", 0)) or (16 if rows <= 4 else 8 if rows <= 8 else 4)
     dpt = max(dpt, d // 32)
@@ -159,7 +161,7 @@ def decode_config(d: int, rows: int, b_hkv: int, n: int) -> Optional[dict]:
     while nw > 1 and nw * rows * d * 4 > 40960:  # threadgroup memory budget
         nw //= 2
     step = u * nw * gpw  # tokens one threadgroup covers per loop step
-    target = int(os.environ.get("TQ_DECODE_BLOCKS", 528))
+    target = int(os.environ.get("TQ_DECODE_BLOCKS", 264))
     splits = max(1, -(-target // max(1, b_hkv)))
     toks = max(step, -(-n // splits))
     toks = -(-toks // step) * step
@@ -296,7 +298,7 @@ def supports_quantize(codec) -> bool:
     d = codec.dim
     return (
         getattr(codec, "norm_mode", "preserve") == "preserve"
-        and codec.rotation.uses_hadamard and 32 <= d <= 1024 and d & (d - 1) == 0
+        and codec.rotation.uses_hadamard and 32 <= d <= 1024 and (d & (d - 1)) == 0
     )
 
 
@@ -337,38 +339,72 @@ def _value_rotation(cache):
     return getattr(cache, "value_rotation", None) or cache.rotation
 
 
+_GLUE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _glue(rotation, value_rotation, scale: float, G: int, L: int):
+    """Compiled (pre, post) for decode: the ~20 small ops around the kernel
+    (rotate q, window attention, log-sum-exp merge, inverse rotation, means)
+    fused by ``mx.compile``; cached per rotation object (weakly)."""
+    per_rot = _GLUE.setdefault(rotation, {})
+    key = (id(value_rotation), float(scale), G, L)
+    if key in per_rot:
+        return per_rot[key]
+
+    def pre(queries):
+        B, H_q, _, D = queries.shape
+        q = (queries.astype(mx.float32) * scale).reshape(B, H_q // G, G * L, D)
+        return q, rotation.forward(q)
+
+    def post(q, out_p, lse_p, window_keys, window_values, key_mean, value_mean):
+        B, H_kv, R, _ = q.shape
+        # centred keys lost q·mean_k (a constant per row); normalised packed
+        # weights sum to 1, so the value mean comes back once
+        lse_p = lse_p[..., None] + q @ key_mean[..., None]
+        packed_out = value_rotation.inverse(out_p) + value_mean[:, :, None, :]
+        scores = q @ window_keys.astype(mx.float32).swapaxes(-1, -2)
+        lse_w = mx.logsumexp(scores, axis=-1, keepdims=True)
+        out_w = mx.exp(scores - lse_w) @ window_values.astype(mx.float32)
+        m = mx.maximum(lse_p, lse_w)
+        a, b = mx.exp(lse_p - m), mx.exp(lse_w - m)
+        return ((a * packed_out + b * out_w) / (a + b)).reshape(B, H_kv * G, L, -1)
+
+    per_rot[key] = (mx.compile(pre), mx.compile(post))
+    return per_rot[key]
+
+
 def _decode_attention(queries, window_keys, window_values, cache, scale, window_mask):
     """Few query rows: the fused split-K kernel for the packed history, merged
     by log-sum-exp with exact attention over the window (as the reference
     path merges its online-softmax state)."""
-    from .attention import _apply
-
     B, H_q, L, D = queries.shape
     H_kv, W = window_keys.shape[1], window_keys.shape[2]
     G = H_q // H_kv
-    R = G * L
-    q = (queries.astype(mx.float32) * scale).reshape(B, H_kv, R, D)
+    vrot = _value_rotation(cache)
+    pre, post = _glue(cache.rotation, vrot, scale, G, L)
+    q, q_rot = pre(queries)
     out_p, lse_p = decode(
-        cache.rotation.forward(q), cache.keys_packed, cache.keys_norms,
-        cache.values_packed, cache.values_norms,
+        q_rot, cache.keys_packed, cache.keys_norms, cache.values_packed, cache.values_norms,
         _centroids(cache.key_codec), _centroids(cache.value_codec),
         cache.packed_len, cache.key_codec.bits, cache.value_codec.bits,
     )
-    lse_p = lse_p[..., None]
     km = _mean(cache, "key_mean", B, H_kv)
-    if km is not None:  # centred keys lost q·mean_k, a constant per query row
-        lse_p = lse_p + q @ km[..., None]
-    packed_out = _value_rotation(cache).inverse(out_p)
     vm = _mean(cache, "value_mean", B, H_kv)
-    if vm is not None:  # normalised weights sum to 1: the mean comes back once
-        packed_out = packed_out + vm[:, :, None, :]
+    km = mx.zeros((B, H_kv, D), mx.float32) if km is None else km
+    vm = mx.zeros((B, H_kv, window_values.shape[-1]), mx.float32) if vm is None else vm
+    if window_mask is None:
+        out = post(q, out_p, lse_p, window_keys, window_values, km, vm)
+        return out.astype(queries.dtype)
+    # masked window (rare in decode): same math, uncompiled
+    from .attention import _apply
 
-    scores = q @ window_keys.astype(mx.float32).swapaxes(-1, -2)  # [B, H_kv, R, W]
-    if window_mask is not None:
-        scores = _apply(scores.reshape(B, H_kv, G, L, W), window_mask).reshape(B, H_kv, R, W)
+    R = G * L
+    lse_p = lse_p[..., None] + q @ km[..., None]
+    packed_out = vrot.inverse(out_p) + vm[:, :, None, :]
+    scores = q @ window_keys.astype(mx.float32).swapaxes(-1, -2)
+    scores = _apply(scores.reshape(B, H_kv, G, L, W), window_mask).reshape(B, H_kv, R, W)
     lse_w = mx.logsumexp(scores, axis=-1, keepdims=True)
     out_w = mx.exp(scores - lse_w) @ window_values.astype(mx.float32)
-
     m = mx.maximum(lse_p, lse_w)
     a, b = mx.exp(lse_p - m), mx.exp(lse_w - m)
     out = (a * packed_out + b * out_w) / (a + b)
