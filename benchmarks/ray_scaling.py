@@ -9,7 +9,13 @@ each into a fresh results file.  Reported per run:
 
 - ``ready_s``: actor start + model load (paid once per worker per run);
 - ``docs_per_s``: documents / (wall - ready_s), the steady-state rate;
-- ``wall_docs_per_s``: documents / wall, start-up included.
+- ``wall_docs_per_s``: documents / wall, start-up included;
+- ``model_s_per_doc``: seconds each document spent in the model, from the
+  records (grows when workers compete for cores).
+
+The local engine loads its model before the clock's steady-state part too.
+Each Ray actor reserves 1 CPU and Ray sets ``OMP_NUM_THREADS=1`` in it, so
+one actor's BLAS uses one thread while the local engine's may use all cores.
 
 The ratio 2-vs-1 workers is what this measures; on a 2-core machine shared
 with other processes it cannot reach 2 (both actors and the driver compete
@@ -55,6 +61,21 @@ def make_job(root: Path, n_docs: int, n_tasks: int, max_tokens: int, name: str) 
     return job
 
 
+def model_seconds(results: Path) -> dict:
+    """Mean seconds per document spent in the model (prefill + every task),
+    from the records' own timing: if it grows with more workers, the workers
+    are competing for the same cores."""
+    import orjson
+
+    per_doc: dict[str, float] = {}
+    for line in results.read_bytes().splitlines():
+        r = orjson.loads(line)
+        t = r["timing"]
+        per_doc.setdefault(r["doc_id"], t.get("prefill_s", 0.0))
+        per_doc[r["doc_id"]] += t.get("task_prefill_s", 0.0) + t.get("decode_s", 0.0)
+    return {"model_s_per_doc": round(sum(per_doc.values()) / len(per_doc), 3)}
+
+
 def timed_run(job_path: Path, workers: int | None) -> dict:
     """One run; ``workers=None`` is the local engine."""
     from pipeline.jobs import load_job
@@ -62,9 +83,12 @@ def timed_run(job_path: Path, workers: int | None) -> dict:
     job = load_job(job_path)
     t0 = time.perf_counter()
     if workers is None:
-        from pipeline.runner import run_job
+        from pipeline.runner import Engines, run_job
 
-        summary, ready_s = run_job(job, progress=False), 0.0
+        engines = Engines(job)
+        engines.get(needs_images=False)  # load first, as a Ray worker does before its first document
+        ready_s = time.perf_counter() - t0
+        summary = run_job(job, progress=False, engines=engines)
     else:
         from pipeline.ray_engine import RayRun
 
@@ -75,6 +99,7 @@ def timed_run(job_path: Path, workers: int | None) -> dict:
     n = summary.documents
     assert summary.done == n * len(job.spec.tasks) and summary.failed == 0, summary
     return {
+        **model_seconds(job.output_path),
         "engine": "local" if workers is None else "ray",
         "workers": workers or 1,
         "documents": n,
@@ -113,7 +138,8 @@ def main(argv: list[str] | None = None) -> dict:
                 rows.append(row)
                 print(f"{row['engine']:5s} workers={row['workers']}  {row['documents']} docs  "
                       f"wall {row['wall_s']:7.2f} s  ready {row['ready_s']:5.2f} s  "
-                      f"{row['docs_per_s']:6.3f} docs/s steady  {row['wall_docs_per_s']:6.3f} docs/s wall",
+                      f"{row['docs_per_s']:6.3f} docs/s steady  {row['wall_docs_per_s']:6.3f} docs/s wall  "
+                      f"model {row['model_s_per_doc']:.2f} s/doc",
                       flush=True)
         finally:
             ray.shutdown()

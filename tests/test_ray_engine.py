@@ -198,7 +198,7 @@ def drive(dispatcher, source):
 def test_dispatcher_bounds_in_flight_and_pulls_lazily(cluster):
     """Back-pressure with thousands of trivial documents (a fake engine: the point is
     the driver's queue bound, not the model)."""
-    n, workers, per_worker = 3000, 2, 2
+    n, workers, per_worker = 1000, 2, 2
     pulled: list[int] = []
     done_when_pulled: list[int] = []
     d = Dispatcher(fake_actor_factory(), workers=workers, max_in_flight_per_worker=per_worker, max_retries=0)
@@ -294,13 +294,17 @@ def test_real_model_on_two_workers_survives_a_killed_worker(cluster, tmp_path):
         assert len({r["worker"]["pid"] for r in records if r["doc_id"] == doc}) == 1
 
 
-def test_document_that_keeps_killing_its_worker_is_recorded_failed(cluster, tmp_path):
+def test_document_that_keeps_killing_its_worker_is_recorded_failed(cluster, tmp_path, monkeypatch, caplog):
     """After max_retries resubmissions the document gets error records naming
-    the cause; the other documents are unaffected (fake engine)."""
+    the cause; the other documents are unaffected (fake engine).  Without a
+    terminal, progress is log lines counting documents and failures."""
     job = load_job(write_job(tmp_path, 8, tasks=TWO_TASKS, max_retries=1, pdf=False))
-    run = RayRun(job, progress=False, num_cpus_per_worker=0.5, setup=fake_setup,
+    monkeypatch.setenv("TQPIPE_PROGRESS", "log")
+    run = RayRun(job, progress=True, num_cpus_per_worker=0.5, setup=fake_setup,
                  process=functools.partial(fake_records, die_on="docs/doc00003.pdf"))
-    summary = run.run()
+    with caplog.at_level("INFO"):
+        summary = run.run()
+    assert any(m.startswith("documents 8/8 (1 failed)") for m in caplog.messages), caplog.messages
 
     records = read_records(job.output_path)
     assert_exactly_once(records, job)
@@ -311,15 +315,23 @@ def test_document_that_keeps_killing_its_worker_is_recorded_failed(cluster, tmp_
     assert 2 <= run.stats.worker_deaths <= 3  # + 1 if the first death was ambiguous
     # A rerun has nothing to do: error records count as done unless retried.
     again = RayRun(job, progress=False, num_cpus_per_worker=0.5, setup=fake_setup, process=fake_records).run()
-    assert again.skipped == 8 and again.records_written == 0
+    assert again.skipped == 8 and again.records_written == 0 and again.failed == 2
+    # --retry-failed redoes only the failed document; its ok records supersede the errors.
+    retried = RayRun(job, progress=False, retry_failed=True, num_cpus_per_worker=0.5, setup=fake_setup,
+                     process=fake_records).run()
+    assert (retried.skipped, retried.done, retried.records_written) == (7, 2, 2)
+    final = read_records(job.output_path)
+    assert [r["status"] for r in final if r["doc_id"] == "docs/doc00003.pdf"] == ["error", "error", "ok", "ok"]
 
 
-def test_back_pressure_on_10000_documents(cluster, tmp_path):
-    """10,000 tiny documents through the whole driver (discovery, skip check,
-    writing) with a FAKE engine: the point is the driver's bound, not the
-    model.  At most workers * max_in_flight_per_worker documents are ever
-    submitted or pulled from the document generator and not yet written."""
-    n, workers, per_worker = 10_000, 2, 2
+@pytest.mark.parametrize("n", [2_000, pytest.param(10_000, marks=pytest.mark.slow)])
+def test_back_pressure_on_many_documents(cluster, tmp_path, n):
+    """Thousands of tiny documents through the whole driver (discovery, skip
+    check, writing) with a FAKE engine: the point is the driver's bound, not
+    the model.  At most workers * max_in_flight_per_worker documents are ever
+    submitted or pulled from the document generator and not yet written, at
+    any job size (the 10,000-document case is marked slow: ~20 s here)."""
+    workers, per_worker = 2, 2
     job = load_job(write_job(tmp_path, n, tasks=ONE_TASK, workers=workers, per_worker=per_worker, pdf=False))
     run = RayRun(job, progress=False, num_cpus_per_worker=0.5, setup=fake_setup, process=fake_records)
     summary = run.run()
@@ -332,18 +344,17 @@ def test_back_pressure_on_10000_documents(cluster, tmp_path):
 
 DRIVER = """
 import functools, sys
-import pipeline, ray
-ray.init(address=sys.argv[1], log_to_driver=False)
 import test_ray_engine as t
 from pipeline.jobs import load_job
 from pipeline.ray_engine import run_job_on_ray
-run_job_on_ray(load_job(sys.argv[2]), progress=False, num_cpus_per_worker=0.5, setup=t.fake_setup,
-               process=functools.partial(t.fake_records, delay=0.1))
+run_job_on_ray(load_job(sys.argv[2]), address=sys.argv[1], progress=False, num_cpus_per_worker=0.5,
+               setup=t.fake_setup, process=functools.partial(t.fake_records, delay=0.1))
 """
 
 
 def test_killed_driver_resumes_from_the_checkpoint(cluster, tmp_path):
-    """A driver process SIGKILLed mid-run, then a second run on the same
+    """A driver process (joining the cluster by its address, as
+    ``--address`` does) SIGKILLed mid-run, then a second run on the same
     results file: every record exactly once, nothing redone (fake engine)."""
     job = load_job(write_job(tmp_path, 60, tasks=TWO_TASKS, pdf=False))
     proc = subprocess.Popen([sys.executable, "-c", DRIVER, cluster, str(job.path)],
@@ -364,3 +375,10 @@ def test_killed_driver_resumes_from_the_checkpoint(cluster, tmp_path):
     assert_exactly_once(records, job)
     assert summary.records_written == 120 - first
     assert summary.skipped >= first // 2 - 1  # whole documents written before the kill
+
+
+def test_importing_the_ray_engine_does_not_import_ray():
+    """The local engine's CLI path may import this module's names cheaply;
+    Ray itself loads only when a Ray run starts."""
+    code = "import sys, pipeline.ray_engine, pipeline.runner; sys.exit('ray' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0
