@@ -126,10 +126,11 @@ class Engine:
             self._head = self.backbone.embed_tokens.as_linear
         else:
             self._head = None  # unknown layout: run the full model, slice logits
-        self.eos_ids = set(getattr(loaded.tokenizer, "eos_token_ids", None) or [])
-        eos = getattr(loaded.tokenizer, "eos_token_id", None)
-        if eos is not None:
-            self.eos_ids.add(int(eos))
+        self.eos_ids: set[int] = set()
+        for attr in ("eos_token_ids", "eos_token_id"):  # a set on mlx-lm's wrapper, an int on HF tokenizers
+            value = getattr(loaded.tokenizer, attr, None)
+            if value is not None:
+                self.eos_ids.update(int(v) for v in (value if isinstance(value, (list, tuple, set)) else [value]))
         self.cache: list | None = None
         self.prefill_count = 0
         self.tokens_forwarded = 0

@@ -199,3 +199,43 @@ def test_progress_becomes_log_lines_without_a_terminal(tmp_path, docs, tiny_vlm_
     text = caplog.text
     assert "documents 2/2" in text and "\r" not in text
     assert "docs/a.pdf: " in text and "tokens prefilled in" in text  # one summary line per document
+
+
+def test_text_model_on_scanned_pages_is_an_error_record(tmp_path, docs, smollm2_dir):
+    from types import SimpleNamespace
+
+    from transformers import AutoTokenizer
+
+    make_scanned_pdf(docs / "scan.pdf", ["Scanned page: invoice 77"])
+    job = load_job(write_job(tmp_path, model=str(smollm2_dir), inputs="docs/scan.pdf"))
+    fake = SimpleNamespace(kind="text", model=None, processor=None, name="text-only",
+                           tokenizer=AutoTokenizer.from_pretrained(str(smollm2_dir)), config={})
+    out = list(process_document(Engines(job, loader=lambda *a, **k: fake), job, discover(job)[0]))
+    assert [r["status"] for r in out] == ["error", "error"]
+    assert out[0]["error"]["stage"] == "context" and "text-only" in out[0]["error"]["message"]
+    assert out[0]["error"]["type"] == "ImagesNeedVLMError" and out[0]["model"] == "text-only"
+
+
+def test_json_record_checks_cited_pages_and_fields():
+    from types import SimpleNamespace
+
+    from pipeline.context import DocumentPrompt
+    from pipeline.engine import TaskResult
+    from pipeline.jobs import TaskSpec
+    from pipeline.runner import _ok_record
+
+    job = SimpleNamespace(spec=SimpleNamespace(name="j", context=SimpleNamespace(max_tokens=100, overflow="error", images="auto")))
+    ref = SimpleNamespace(doc_id="d.pdf", source=Path("/d.pdf"))
+    prompt = DocumentPrompt(prefix_ids=[1, 2, 3], task_ids={"f": [4]}, page_offsets={1: 0, 2: 2},
+                            included_pages=[1, 2], skipped_pages=[])
+    task = TaskSpec(name="f", prompt="p", format="json", fields=["total", "author"])
+    text = 'Here you go:\n```json\n{"total": {"value": 1250, "page": 2}, "note": "see [Page 40]"}\n```'
+    result = TaskResult(task="f", text=text, token_ids=[5], finish_reason="stop",
+                        tokens={"document": 3, "task_prompt": 1, "generated": 1}, timing={}, cache={})
+    rec = _ok_record(job, ref, "sha256:ab", task, "sha256:ab/f/0123", result, prompt, None, "m")
+    assert rec["parsed"]["total"]["value"] == 1250 and rec["parse_error"] is None
+    assert rec["missing_fields"] == ["author"]
+    assert rec["citations"] == {"cited": [2, 40], "unknown": [40], "valid": False}
+    bad = _ok_record(job, ref, "sha256:ab", task, "sha256:ab/f/0123",
+                     TaskResult(**{**result.__dict__, "text": '{"total": 12'}), prompt, None, "m")
+    assert bad["status"] == "ok" and bad["parsed"] is None and "invalid JSON" in bad["parse_error"]
