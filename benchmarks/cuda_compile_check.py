@@ -104,9 +104,9 @@ CASES = [
     ("tq_dequant", ["uint32", "float16", "float32", "float32", "int32"], ["bfloat16"],
      [("D", 128), ("BITS", 3), ("T", "bfloat16")]),
     ("tq_quantize", ["float16", "float32", "float32", "float32"], ["uint32", "float16"],
-     [("D", 128), ("BITS", 3), ("T", "float16")]),
+     [("D", 128), ("BITS", 3), ("T", "float16"), ("LSQ", 0)]),
     ("tq_quantize", ["float32", "float32", "float32", "float32"], ["uint32", "float16"],
-     [("D", 64), ("BITS", 2), ("T", "float32")]),
+     [("D", 64), ("BITS", 2), ("T", "float32"), ("LSQ", 1)]),
 ]
 
 

@@ -112,7 +112,8 @@ def test_supports_quantize():
     assert kernels.supports_quantize(TurboQuantCodec(128, 3, HadamardRotation(128, 1)))
     assert kernels.supports_quantize(TurboQuantCodec(64, 2, HadamardRotation(64, 1)))
     assert not kernels.supports_quantize(TurboQuantCodec(96, 3, HadamardRotation(96, 1)))
-    assert not kernels.supports_quantize(TurboQuantCodec(128, 3, norm_mode="lsq"))
+    assert kernels.supports_quantize(TurboQuantCodec(128, 3, norm_mode="lsq"))
+    assert kernels.supports_quantize(TurboQuantCodec(128, 3, norm_mode="preserve"))
 
 
 def test_reference_fallback_on_cpu(monkeypatch):
@@ -264,10 +265,11 @@ def test_dequant_matches_codec(bits, d):
 @pytest.mark.parametrize("bits", [2, 3, 4])
 @pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("dtype", [mx.float32, mx.float16])
-def test_quantize_matches_codec(bits, d, dtype):
+@pytest.mark.parametrize("norm_mode", ["preserve", "lsq"])
+def test_quantize_matches_codec(bits, d, dtype, norm_mode):
     """Bit-identical except where rounding of the rotation moves a coordinate
     across a boundary: such flips must be rare and only at boundaries."""
-    codec = TurboQuantCodec(d, bits, HadamardRotation(d, seed=7))
+    codec = TurboQuantCodec(d, bits, HadamardRotation(d, seed=7), norm_mode=norm_mode)
     mx.random.seed(bits * d)
     x = (mx.random.normal((3, 5, 64, d)) * 2.0).astype(dtype)
     x[0, 0, 0] = 0.0  # zero vector: index of 0, norm 0

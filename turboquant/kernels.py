@@ -272,14 +272,18 @@ def quantize(x: mx.array, codec) -> tuple[mx.array, mx.array]:
     d = codec.dim
     rot = codec.rotation
     if not supports_quantize(codec):
-        raise ValueError(f"quantize kernel: needs a power-of-two Hadamard dim, got {rot!r}")
+        raise ValueError(
+            f"quantize kernel: needs a power-of-two Hadamard dim 32..1024 and norm mode "
+            f"preserve|lsq; got {rot!r}, norm_mode={getattr(codec, 'norm_mode', None)!r}"
+        )
     lead = x.shape[:-1]
     m = math.prod(lead)
     bounds, cents = _codebook_arrays(codec.bits, d)
     packed, norms = _launch(
         "tq_quantize",
         inputs=[x.reshape(m, d), _f32(rot.signs), bounds, cents],
-        template=[("D", d), ("BITS", codec.bits), ("T", x.dtype)],
+        template=[("D", d), ("BITS", codec.bits), ("T", x.dtype),
+                  ("LSQ", int(getattr(codec, "norm_mode", "preserve") == "lsq"))],
         grid=(m * d, 1, 1), threadgroup=(d, 1, 1),
         output_shapes=[(m, codec.words), (m,)], output_dtypes=[mx.uint32, mx.float16],
     )
@@ -294,10 +298,11 @@ def quantize_any(x: mx.array, codec) -> tuple[mx.array, mx.array]:
 
 
 def supports_quantize(codec) -> bool:
-    """The quantize kernel handles power-of-two dims (32..1024) with a Hadamard rotation."""
+    """The quantize kernel handles power-of-two dims (32..1024) with a Hadamard
+    rotation, in either of the codec's norm modes."""
     d = codec.dim
     return (
-        getattr(codec, "norm_mode", "preserve") == "preserve"
+        getattr(codec, "norm_mode", "preserve") in ("preserve", "lsq")
         and codec.rotation.uses_hadamard and 32 <= d <= 1024 and (d & (d - 1)) == 0
     )
 
