@@ -271,8 +271,8 @@ def bench_prefill(n, chunk, results):
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--lengths", default="8k,32k,128k,512k,1M")
-    ap.add_argument("--sweep", default="512k", help="length for the launch-shape sweep ('' = skip)")
-    ap.add_argument("--prefill", default="128k", help="prefill length ('' = skip)")
+    ap.add_argument("--sweep", default="512k", help="length for the launch-shape sweep ('none' = skip)")
+    ap.add_argument("--prefill", default="128k", help="prefill length ('none' = skip)")
     ap.add_argument("--chunk", type=int, default=2048)
     ap.add_argument("--json", default="")
     args = ap.parse_args()
@@ -285,7 +285,7 @@ def main() -> int:
     bw = copy_rate()
     results["copy_Bps"] = bw
     print(f"device copy rate (read + write): {bw / 1e12:.2f} TB/s")
-    if args.sweep:
+    if args.sweep not in ("", "none"):
         best = bench_decode_variants(parse_len(args.sweep), results)
         if best:
             _, dpt, u, nw, blocks = best
@@ -295,7 +295,7 @@ def main() -> int:
             results["best_variant"] = best
     bench_decode([parse_len(s) for s in args.lengths.split(",") if s], results, bw)
     bench_append(parse_len("32k"), results)
-    if args.prefill:
+    if args.prefill not in ("", "none"):
         try:
             bench_prefill(parse_len(args.prefill), args.chunk, results)
         except Exception as e:  # noqa: BLE001

@@ -4,7 +4,7 @@
 # benchmark.  Logs go to $OUT.  Each step continues after a failure so the
 # benchmark runs even if a test fails.
 #   call 1 (carry .whl/a):  mkdir -p /root/stash && cp .whl/a/* /root/stash/
-#   call 2 (carry .whl/b):  bash benchmarks/gpu_session.sh [all|tests|bench|profile]
+#   call 2 (carry .whl/b):  bash benchmarks/gpu_session.sh [all|tests|bench|tb|profile]  (tb = tests + bench)
 set -x
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 what="${1:-all}"
@@ -19,11 +19,11 @@ export LD_LIBRARY_PATH=$(ls -d /opt/torch/.venv/lib/python3.12/site-packages/nvi
 export MLX_PTX_CACHE_DIR=/tmp/mlx-ptx
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv 2>&1 | tee "$OUT/gpu.txt"
 python3 -c 'import mlx.core as mx; print(mx.__version__, mx.default_device(), mx.cuda.is_available())' 2>&1 | tee -a "$OUT/gpu.txt"
-if [ "$what" = all ] || [ "$what" = tests ]; then
+if [ "$what" = all ] || [ "$what" = tests ] || [ "$what" = tb ]; then
   timeout 280 python3 -m pytest -q -p no:cacheprovider -n 8 -m gpu tests/test_kernels.py 2>&1 \
     | tee "$OUT/tests.log" | tail -60
 fi
-if [ "$what" = all ] || [ "$what" = bench ]; then
+if [ "$what" = all ] || [ "$what" = bench ] || [ "$what" = tb ]; then
   timeout 330 python3 benchmarks/gpu_attention.py --json "$OUT/bench.json" ${BENCH_ARGS:-} 2>&1 \
     | tee "$OUT/bench.log"
 fi
