@@ -223,25 +223,40 @@ def _rewind(cache: list, snap: tuple[int, list]) -> None:
             setattr(c, name, value)
 
 
-def greedy(model: Any, cache: list, first_logits: mx.array, n: int, eos: set[int]) -> list[int]:
+def _logprobs(logits: mx.array) -> mx.array:
+    return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+
+
+def greedy(model: Any, cache: list, first_logits: mx.array, n: int, eos: set[int],
+           forced: Sequence[int] = ()) -> tuple[list[int], mx.array]:
+    """Greedy decoding of up to ``n`` tokens, the EOS token included when it comes.
+
+    The first ``len(forced)`` tokens are fed instead of chosen (to resume a
+    run at a given point).  Returns the tokens and the log-probabilities
+    [len(tokens), vocab] each of them was chosen from.
+    """
     out: list[int] = []
+    rows = []
     logits = first_logits
-    for _ in range(n):
-        tok = int(mx.argmax(logits).item())
-        if tok in eos:
-            break
+    while len(out) < n:
+        rows.append(_logprobs(logits))
+        tok = forced[len(out)] if len(out) < len(forced) else int(mx.argmax(logits).item())
         out.append(tok)
+        if tok in eos or len(out) == n:
+            break
         logits = step(model, cache, tok)
-    return out
+        mx.eval(logits)
+    return out, mx.stack(rows)
 
 
-def teacher_forced(model: Any, cache: list, first_logits: mx.array, tokens: Sequence[int]) -> mx.array:
-    """Log-probabilities [len(tokens), vocab] for the next token at each step."""
-    rows = [first_logits]
-    for tok in tokens[:-1]:
-        rows.append(step(model, cache, tok))
+def teacher_forced(model: Any, cache: list, first_logits: mx.array, target: Sequence[int]) -> mx.array:
+    """Log-probabilities [len(target), vocab]: row i predicts ``target[i]`` after
+    the prompt and ``target[:i]`` (each fed through the cache, one decode step each)."""
+    rows = [_logprobs(first_logits)]
+    for tok in target[:-1]:
+        rows.append(_logprobs(step(model, cache, tok)))
         mx.eval(rows[-1])
-    return mx.stack([r - mx.logsumexp(r) for r in rows])
+    return mx.stack(rows)
 
 
 @dataclass
@@ -255,24 +270,35 @@ class PromptRun:
 def run_prompt(model: Any, tokenizer: Any, config: CacheConfig, prompt: NeedlePrompt,
                reference: Sequence[int] | None, *, chunk: int, answer_tokens: int,
                continuation: int, eos: set[int]) -> tuple[PromptRun, list[int]]:
-    """Prefill once; greedy-decode the answer; rewind; teacher-force ``reference``.
+    """One prefill, then the teacher-forced pass and the config's greedy answer.
 
-    With ``reference=None`` (the fp16 run) the greedy continuation of length
-    ``continuation`` *is* the reference and is returned.
+    ``reference=None`` (the fp16 run): greedy-decode ``continuation`` tokens
+    (EOS included); they are the reference, returned for the other configs.
+    Otherwise teacher-force ``reference``; while the config's own argmax
+    agrees with it, its greedy output *is* the reference, so a separate
+    greedy run (rewind to the prompt, replay the agreeing prefix, decode) is
+    only needed when they part before the answer is complete.
     """
     t0 = time.perf_counter()
     cache = config.build(model)
     first = prefill(model, cache, prompt.ids, chunk)
     mx.eval(first)
-    snap = _snapshot(cache)
-    gen = greedy(model, cache, first, max(answer_tokens, continuation if reference is None else 0), eos)
-    kv_bytes = sum(c.nbytes for c in cache)
-    _rewind(cache, snap)
     if reference is None:
-        reference = gen[:continuation] or [int(mx.argmax(first).item())]
-    logprobs = teacher_forced(model, cache, first, reference)
+        reference, logprobs = greedy(model, cache, first, max(continuation, answer_tokens), eos)
+        answer = reference[:answer_tokens]
+        kv_bytes = sum(c.nbytes for c in cache)
+    else:
+        snap = _snapshot(cache)
+        logprobs = teacher_forced(model, cache, first, reference)
+        kv_bytes = sum(c.nbytes for c in cache)
+        pred = mx.argmax(logprobs, axis=-1).tolist()
+        agree = next((i for i, (a, b) in enumerate(zip(pred, reference)) if a != b), len(reference))
+        answer = list(reference[:answer_tokens])
+        if agree < min(answer_tokens, len(reference)):
+            _rewind(cache, snap)
+            answer, _ = greedy(model, cache, first, answer_tokens, eos, forced=reference[:agree])
     mx.eval(logprobs)
-    text = tokenizer.decode(gen[:answer_tokens])
+    text = tokenizer.decode([t for t in answer if t not in eos])
     return PromptRun(logprobs, text, kv_bytes, time.perf_counter() - t0), list(reference)
 
 
@@ -347,7 +373,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--chunk", type=int, default=256, help="prefill chunk size")
     p.add_argument("--window", type=int, default=128, help="our exact window (also run with 0)")
     p.add_argument("--bits", default="2.5,3,3.5,4")
-    p.add_argument("--continuation", type=int, default=32, help="teacher-forced tokens")
+    p.add_argument("--continuation", type=int, default=32,
+                   help="fp16 greedy tokens to teacher-force (fewer when it stops at EOS)")
     p.add_argument("--answer-tokens", type=int, default=20)
     p.add_argument("--json", action="store_true", help="also print one JSON line")
     a = p.parse_args(argv)

@@ -10,6 +10,7 @@ import math
 
 import mlx.core as mx
 import pytest
+from mlx.utils import tree_map
 
 from benchmarks import memory, quality
 
@@ -78,6 +79,9 @@ def tiny_lm():
         model_type="llama", hidden_size=64, num_hidden_layers=2, intermediate_size=128,
         num_attention_heads=2, num_key_value_heads=1, head_dim=64, rms_norm_eps=1e-5,
         vocab_size=128, tie_word_embeddings=True))
+    # x2 weights: greedy output then depends on the context (at the default
+    # init scale the tiny model repeats one token whatever it reads)
+    model.update(tree_map(lambda w: 2 * w, model.parameters()))
     model.set_dtype(mx.float32)
     mx.eval(model.parameters())
     return model
@@ -133,3 +137,37 @@ def test_evaluate_fp16_against_itself_and_quantized(tiny_lm):
 def test_evaluate_requires_fp16_reference_first(tiny_lm):
     with pytest.raises(ValueError, match="first config must be the fp16 reference"):
         quality.evaluate(tiny_lm, CharTokenizer(), [], [quality.CacheConfig("x", "affine", 4)])
+
+
+@pytest.mark.parametrize("config", [quality.CacheConfig("ours", "turboquant", 2.5, 16),
+                                    quality.CacheConfig("peer", "mlx-vlm", 2.5)])
+def test_greedy_answer_after_teacher_forcing_matches_a_fresh_greedy_run(tiny_lm, config):
+    """The answer run_prompt reports (resumed after rewinding the teacher-forced
+    pass where they part) is what plain greedy decoding of a fresh prefill gives."""
+    tok = CharTokenizer()
+    prompt = quality.make_needle_prompt(tok, 200, 0.5, seed=2)
+    cache = config.build(tiny_lm)
+    fresh, _ = quality.greedy(tiny_lm, cache, quality.prefill(tiny_lm, cache, prompt.ids, 64), 12, set())
+    # a reference that parts from this config's greedy path at token 3
+    forced = fresh[:3] + [(fresh[3] + 1) % 128] + fresh[4:]
+    run, _ = quality.run_prompt(tiny_lm, tok, config, prompt, forced, chunk=64, answer_tokens=12,
+                                continuation=12, eos=set())
+    assert run.answer_text == tok.decode(fresh)
+    assert run.logprobs.shape == (12, 128)
+
+
+@pytest.mark.parametrize("config", [quality.CacheConfig("ours", "turboquant", 3, 16),
+                                    quality.CacheConfig("peer", "mlx-vlm", 3),
+                                    quality.CacheConfig("affine", "affine", 4)])
+def test_rewind_gives_back_the_prefilled_cache(tiny_lm, config):
+    tok = CharTokenizer()
+    prompt = quality.make_needle_prompt(tok, 200, 0.5, seed=4)
+    cache = config.build(tiny_lm)
+    quality.prefill(tiny_lm, cache, prompt.ids, 64)
+    snap = quality._snapshot(cache)
+    for t in range(40, 60):  # pushes our window's tokens into packed storage
+        quality.step(tiny_lm, cache, t)
+    quality._rewind(cache, snap)
+    fresh = config.build(tiny_lm)
+    quality.prefill(tiny_lm, fresh, prompt.ids, 64)
+    assert mx.allclose(quality.step(tiny_lm, cache, 7), quality.step(tiny_lm, fresh, 7), atol=1e-5)
