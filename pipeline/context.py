@@ -47,8 +47,9 @@ class DocumentPrompt:
     """Everything the engine needs to run all tasks of one document.
 
     ``prefix_ids`` are prefilled once; ``task_ids[name]`` are appended per task.
-    ``image_inputs`` holds the processor's pixel tensors (VLM only) aligned
-    with the image tokens inside ``prefix_ids``.
+    ``image_spans`` lists, per page with an image, the token range of that
+    page in ``prefix_ids`` and the processor's pixel inputs for it, so the
+    engine can run the vision tower one prefill chunk at a time.
     """
 
     prefix_ids: list[int]
@@ -56,13 +57,21 @@ class DocumentPrompt:
     page_offsets: dict[int, int]
     included_pages: list[int]
     skipped_pages: list[dict]
-    image_inputs: dict[str, Any] = field(default_factory=dict)
-    n_images: int = 0
+    image_spans: list[tuple[int, int, dict]] = field(default_factory=list)
     truncation: dict = field(default_factory=lambda: {"truncated": False})
 
     @property
     def n_tokens(self) -> int:
         return len(self.prefix_ids)
+
+    @property
+    def n_images(self) -> int:
+        return len(self.image_spans)
+
+    @property
+    def image_inputs(self) -> dict[str, Any]:
+        """All pages' pixel inputs concatenated in token order (for a whole-prompt forward)."""
+        return concat_image_inputs([extra for _, _, extra in self.image_spans])
 
     def pages_record(self) -> dict:
         """The ``pages`` field of a result record: what went in and where."""
@@ -203,20 +212,19 @@ class PromptBuilder:
 
         prefix_ids = list(head_ids)
         offsets: dict[int, int] = {}
-        image_inputs: dict[str, list] = {}
+        spans: list[tuple[int, int, dict]] = []
         for n, ids, extra in segments:
             offsets[n] = len(prefix_ids)
             prefix_ids.extend(ids)
-            for k, v in extra.items():
-                image_inputs.setdefault(k, []).append(v)
+            if extra:
+                spans.append((offsets[n], len(prefix_ids), extra))
         return DocumentPrompt(
             prefix_ids=prefix_ids,
             task_ids=task_ids,
             page_offsets=offsets,
             included_pages=[n for n, _, _ in segments],
             skipped_pages=list(document.skipped_pages),
-            image_inputs=_concat_inputs(image_inputs),
-            n_images=sum(1 for _, _, extra in segments if extra),
+            image_spans=spans,
             truncation=truncation,
         )
 
@@ -232,13 +240,15 @@ def _merge_text(items: list[dict]) -> list[dict]:
     return out
 
 
-def _concat_inputs(inputs: dict[str, list]) -> dict[str, Any]:
+def concat_image_inputs(extras: Sequence[dict]) -> dict[str, Any]:
     """Concatenate per-page processor outputs (pixel_values, image_grid_thw, ...) along axis 0."""
-    if not inputs:
+    if not extras:
         return {}
     import mlx.core as mx
 
-    return {k: mx.concatenate([mx.array(x) for x in v], axis=0) if len(v) > 1 else mx.array(v[0]) for k, v in inputs.items()}
+    keys = list(extras[0])
+    return {k: mx.concatenate([mx.array(e[k]) for e in extras], axis=0) if len(extras) > 1 else mx.array(extras[0][k])
+            for k in keys}
 
 
 def _ranges(numbers: list[int]) -> str:

@@ -27,9 +27,12 @@ storage below the document's packed length is never written by a task, so
 every task sees bit-for-bit the cache a fresh prefill would give.
 
 VLMs: page images are merged into the input embeddings by the model's own
-``get_input_embeddings`` (vision tower + image-token scatter); models with
-multimodal RoPE (Qwen2-VL) also return position ids and a ``rope_deltas``
-offset, which we slice per chunk and continue for the task tokens.
+``get_input_embeddings`` (vision tower + image-token scatter), one prefill
+chunk at a time with only that chunk's images, so neither the vision tower
+nor the embeddings ever see the whole document (chunks stretch to keep a
+page's image tokens together).  Models with multimodal RoPE (Qwen2-VL) get
+global position ids from ``get_rope_index`` once (integers only), sliced per
+chunk and continued after the document with its ``rope_deltas`` offset.
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import mlx.core as mx
 
-from .context import DocumentPrompt
+from .context import DocumentPrompt, concat_image_inputs
 from .errors import TqpipeError
 
 
@@ -171,27 +174,15 @@ class Engine:
             if hasattr(c, "reserve"):
                 c.reserve(total + reserve)
         ids = mx.array(prompt.prefix_ids, dtype=mx.int32)[None]
-        embeds = positions = None
-        pos_delta, pos_ndim = None, 2
-        if prompt.image_inputs:
+        positions, pos_delta = None, None
+        if prompt.image_spans:
             if self.loaded.kind != "vlm":
                 raise TqpipeError("document has page images but the model is text-only")
-            inputs = dict(prompt.image_inputs)
-            pixel_values = inputs.pop("pixel_values", None)
-            feats = self.loaded.model.get_input_embeddings(ids, pixel_values, mask=None, **inputs)
-            embeds = feats.inputs_embeds
-            positions = getattr(feats, "position_ids", None)
-            deltas = getattr(feats, "rope_deltas", None)
-            if positions is not None:
-                pos_ndim = positions.ndim
-                pos_delta = int(mx.array(deltas).reshape(-1)[0].item()) if deltas is not None else 0
-            mx.eval(embeds)
-        step = self.cache_spec.prefill_chunk
-        for start in range(0, total, step):
-            end = min(start + step, total)
+            positions, pos_delta = self._mrope_positions(ids, prompt)
+        for start, end, extras in _chunks(total, self.cache_spec.prefill_chunk, prompt.image_spans):
             self._forward(
                 ids[:, start:end],
-                None if embeds is None else embeds[:, start:end],
+                self._embed_images(ids[:, start:end], extras) if extras else None,
                 None if positions is None else positions[..., start:end],
                 logits=False,
             )
@@ -199,7 +190,7 @@ class Engine:
             mx.clear_cache()
             if on_tokens is not None:
                 on_tokens(end - start)
-        del embeds, positions
+        pos_ndim = 2 if positions is None else positions.ndim
         self.prefill_count += 1
         self.allocated_after_prefill = self.cache_allocated()
         state = _Prefilled(
@@ -217,6 +208,28 @@ class Engine:
                 for c in self.cache
             ]
         return state
+
+    def _mrope_positions(self, ids: mx.array, prompt: DocumentPrompt) -> tuple[mx.array | None, int | None]:
+        """Multimodal RoPE position ids for the whole prefix (Qwen2-VL style), or (None, None).
+
+        Only integers [3, 1, L]: cheap to hold for the whole document, and they
+        must be global (an image shifts the positions of every later token).
+        """
+        get = getattr(self.lm, "get_rope_index", None)
+        grids = [extra.get("image_grid_thw") for _, _, extra in prompt.image_spans]
+        if get is None or any(g is None for g in grids):
+            return None, None
+        grid = mx.concatenate([mx.array(g) for g in grids], axis=0)
+        positions, deltas = get(ids, image_grid_thw=grid)
+        return positions, int(mx.array(deltas).reshape(-1)[0].item())
+
+    def _embed_images(self, ids: mx.array, extras: list[dict]) -> mx.array:
+        """Input embeddings of one chunk with its pages' image features merged in,
+        through the model's own ``get_input_embeddings`` (vision tower + scatter)."""
+        inputs = concat_image_inputs(extras)
+        pixel_values = inputs.pop("pixel_values", None)
+        feats = self.loaded.model.get_input_embeddings(ids, pixel_values, mask=None, **inputs)
+        return feats.inputs_embeds
 
     def cache_nbytes(self) -> int:
         """Bytes the cache holds for its tokens (``used_nbytes`` where a cache
@@ -322,6 +335,20 @@ class Engine:
     def process(self, prompt: DocumentPrompt, tasks: Sequence[Any]) -> list[TaskResult]:
         """All task results of one document (see ``iter_process``)."""
         return list(self.iter_process(prompt, tasks))
+
+
+def _chunks(total: int, step: int, spans: Sequence[tuple[int, int, dict]]) -> Iterator[tuple[int, int, list[dict]]]:
+    """Prefill chunks ``(start, end, image inputs inside)``: ``step`` tokens,
+    stretched where needed so no page image is split across two chunks (the
+    model merges a whole image's features into one run of image tokens)."""
+    start = 0
+    while start < total:
+        end = min(start + step, total)
+        for s, e, _ in spans:
+            if s < end < e:
+                end = e
+        yield start, end, [extra for s, e, extra in spans if start <= s and e <= end]
+        start = end
 
 
 def _copy_state(state: Any) -> Any:

@@ -183,9 +183,11 @@ def _vlm_prompt(tiny_vlm_model):
         Page(1, "Harbor report. Revenue grew by 12 percent in the third quarter.", None, False),
         Page(2, "", Image.new("RGB", (56, 84), (180, 40, 40)), True),
         Page(3, "Total dredging cost 1250 EUR, approved by Ada Lovelace.", None, False),
+        Page(4, "", Image.new("RGB", (112, 56), (20, 90, 200)), True),
+        Page(5, "Appendix: tide tables for June.", None, False),
     ]
     doc = Document(ref=DocumentRef(source=__import__("pathlib").Path("/d.pdf"), kind="pdf", doc_id="d.pdf"),
-                   content_hash="sha256:0", page_count=3, pages=pages)
+                   content_hash="sha256:0", page_count=5, pages=pages)
     loaded = tiny_vlm_model
     builder = PromptBuilder(loaded.tokenizer, processor=loaded.processor, kind="vlm")
     return builder.build(doc, ContextSpec(), TASKS)
@@ -196,9 +198,11 @@ def test_vlm_chunked_prefill_matches_mlx_vlm_full_forward(tiny_vlm_model):
     logits as mlx-vlm's own single forward pass over the whole prompt."""
     loaded = tiny_vlm_model
     prompt = _vlm_prompt(loaded)
-    assert prompt.n_images == 1
+    assert prompt.n_images == 2
     task = TASKS[0]
-    engine = Engine(loaded, CacheSpec(kv_quant_scheme="fp16", prefill_chunk=16))
+    # chunks of 4 tokens: shorter than an image's token run, so chunks must stretch around images
+    assert any(e - s > 4 for s, e, _ in prompt.image_spans)
+    engine = Engine(loaded, CacheSpec(kv_quant_scheme="fp16", prefill_chunk=4))
     state = engine.prefill(prompt)
     suffix = prompt.task_ids[task.name]
     ids = mx.array(suffix, dtype=mx.int32)[None]
@@ -228,3 +232,12 @@ def test_vlm_three_tasks_one_prefill(tiny_vlm_model):
     for task, res in zip(TASKS, results):
         solo = Engine(tiny_vlm_model, spec).process(prompt, [task])[0]
         assert res.token_ids == solo.token_ids
+
+
+def test_chunks_never_split_a_page_image():
+    from pipeline.engine import _chunks
+
+    spans = [(5, 12, {"img": 1}), (20, 22, {"img": 2})]
+    chunks = list(_chunks(30, 8, spans))
+    assert [(s, e) for s, e, _ in chunks] == [(0, 12), (12, 20), (20, 28), (28, 30)]
+    assert [x for _, _, x in chunks] == [[{"img": 1}], [], [{"img": 2}], []]
