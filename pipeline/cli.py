@@ -173,8 +173,9 @@ def watch(inbox: str, job_file: str, settle: float, poll: float, pages: str | No
 
 @main.command(epilog=EXIT_CODES_HELP)
 @click.argument("job_file", metavar="JOB", type=click.Path(dir_okay=False))
+@click.option("--pages", help="The --pages the runs used (it is part of each record's key).")
 @click.option("--json", "as_json", is_flag=True, help="Print the counts as one JSON object.")
-def status(job_file: str, as_json: bool) -> None:
+def status(job_file: str, pages: str | None, as_json: bool) -> None:
     """Progress of JOB from its results file: done, failed, pending.
 
     Pending = (document, task) pairs of the current job and config with no
@@ -182,9 +183,9 @@ def status(job_file: str, as_json: bool) -> None:
     """
     from .checkpoint import summarize
     from .ingest import content_hash, discover
-    from .runner import task_keys
+    from .runner import task_keys, with_pages
 
-    job = _load(job_file)
+    job = with_pages(_load(job_file, pages), pages)
     expected: set[str] = set()
     unreadable = 0
     for ref in discover(job):

@@ -62,6 +62,21 @@ def model_setting(job: Any) -> str:
     return job.spec.model.path or AUTO_MODEL
 
 
+def with_pages(job: Any, pages: str | None) -> Any:
+    """``job`` with ``context.pages`` replaced by a ``--pages`` override.
+
+    The override must be part of the job's context (not a side argument) so
+    it enters the config hash: output from pages 1-2 must not count as done
+    for a later run over the whole document.
+    """
+    if pages is None:
+        return job
+    import dataclasses
+
+    context = job.spec.context.model_copy(update={"pages": pages})
+    return dataclasses.replace(job, spec=job.spec.model_copy(update={"context": context}))
+
+
 def task_keys(job: Any, digest: str, tasks: Sequence[Any] | None = None) -> dict[str, str]:
     """``{task name: record key}`` for one document content hash."""
     spec = job.spec
@@ -328,6 +343,7 @@ def run_job(
     from .lock import JobLock
     from .progress import make_progress
 
+    job, pages = with_pages(job, pages), None  # the override is now in job.spec.context (and the keys)
     refs = list(discover(job) if refs is None else refs)
     summary = RunSummary(documents=len(refs))
     if dry_run:
@@ -440,4 +456,5 @@ __all__ = [
     "run_job",
     "task_keys",
     "task_text",
+    "with_pages",
 ]

@@ -155,3 +155,10 @@ def test_kill_9_mid_run_then_resume_every_record_exactly_once(tmp_path, tiny_vlm
     keys = [r["key"] for r in recs]
     assert len(keys) == len(set(keys)) == docs * tasks
     assert {(r["doc_id"], r["task"]) for r in recs} == {(f"docs/doc{i}.pdf", f"t{j}") for i in range(docs) for j in range(tasks)}
+
+
+def test_pages_option_is_part_of_status_keys(tmp_path, tiny_vlm_dir):
+    job = make_job(tmp_path, tiny_vlm_dir, docs=1, tasks=1, max_tokens=2)
+    assert CliRunner().invoke(main, ["run", str(job), "--pages", "1", "--no-progress"]).exit_code == 0
+    assert "done 1, failed 0, pending 0" in CliRunner().invoke(main, ["status", str(job), "--pages", "1"]).output
+    assert "done 0, failed 0, pending 1" in CliRunner().invoke(main, ["status", str(job)]).output

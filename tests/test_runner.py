@@ -129,10 +129,14 @@ def test_truncation_is_stated_in_the_record(tmp_path, docs, tiny_vlm_dir):
     assert err["status"] == "error" and err["error"]["stage"] == "context" and "a.pdf" in err["error"]["message"]
 
 
-def test_pages_override(tmp_path, docs, tiny_vlm_dir):
+def test_pages_override_selects_pages_and_is_part_of_the_key(tmp_path, docs, tiny_vlm_dir):
     job = load_job(write_job(tmp_path, model=str(tiny_vlm_dir), inputs="docs/a.pdf"))
     run_job(job, pages="2-3", progress=False)
     assert {tuple(r["pages"]["included"]) for r in records(job)} == {(2, 3)}
+    assert run_job(job, pages="2-3", progress=False).records_written == 0
+    # the whole document is different work: it runs, it is not skipped
+    assert run_job(job, progress=False).records_written == 2
+    assert [r["pages"]["included"] for r in records(job)[-2:]] == [[1, 2, 3]] * 2
 
 
 def test_builtin_default_picks_text_model_or_vlm_per_document(tmp_path, docs, smollm2_dir, tiny_vlm_dir):
