@@ -55,8 +55,9 @@ def parse_len(s: str) -> int:
 
 def timeit(fns, repeats: int = 7, batch: int = 0) -> float:
     """Median seconds per call of ``fns`` (a list of equivalent closures on
-    different input copies), evaluated ``batch`` calls at a time."""
-    batch = batch or len(fns)
+    different input copies), evaluated ``batch`` calls at a time (at least 8,
+    so the host round trip of one ``eval`` is spread over several calls)."""
+    batch = batch or max(len(fns), 8)
     mx.eval([fns[i % len(fns)]() for i in range(min(batch, len(fns)))])  # warm-up/compile
     mx.synchronize()
     times = []
