@@ -217,6 +217,7 @@ def process_document(
     A document that can't be read, doesn't fit, or fails in the model
     becomes error records for its tasks; the caller goes on with the next.
     """
+    job = with_pages(job, pages)  # an override changes the keys too
     tasks = list(tasks if tasks is not None else job.spec.tasks)
     try:
         digest = digest or content_hash(ref)
@@ -227,7 +228,7 @@ def process_document(
         return
     keys = task_keys(job, digest, tasks)
     try:
-        doc = ingest(ref, job.spec.context, pages=pages)
+        doc = ingest(ref, job.spec.context)
     except (IngestError, OSError) as e:
         yield from _error_records(job, ref, digest, tasks, keys, e, "ingest")
         return

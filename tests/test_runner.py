@@ -159,6 +159,12 @@ def test_process_document_yields_records_and_writes_nothing(tmp_path, docs, tiny
     assert [r["task"] for r in out] == ["summary", "fields"] and all(r["status"] == "ok" for r in out)
     assert not job.output_path.exists()
     orjson.dumps(out)  # records are plain JSON
+    # a pages override (as the Ray engine passes it) selects pages and keys the records by it
+    from pipeline.runner import with_pages
+
+    one = list(process_document(Engines(job), job, ref, tasks=job.spec.tasks[:1], pages="1"))
+    assert one[0]["pages"]["included"] == [1]
+    assert one[0]["key"] == task_keys(with_pages(job, "1"), out[0]["content_hash"])["summary"] != out[0]["key"]
 
 
 def test_dry_run_loads_no_model(tmp_path, docs, smollm2_dir, monkeypatch):
