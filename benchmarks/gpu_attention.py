@@ -168,6 +168,11 @@ def bench_decode(lengths, results, bw):
             cs = [c0] + [tq_cache(n, kv_bits, seed=i + 1) for i in range(copies_for(c0.nbytes) - 1)]
             t = timeit([tq_decode_fn(c, q_rot) for c in cs])
             row[f"turboquant {kv_bits}-bit"] = (t, c0.nbytes)
+            if kv_bits == 3.5:  # the same with pairwise codebook lookups
+                os.environ["TQ_DECODE_PAIR"] = "1"
+                t = timeit([tq_decode_fn(c, q_rot) for c in cs])
+                os.environ.pop("TQ_DECODE_PAIR")
+                row["turboquant 3.5 pairs"] = (t, c0.nbytes)
             if kv_bits == 3.5:  # whole attention: rotations, 128-token window, merge
                 wk = mx.random.normal((1, HKV, 128, D)).astype(mx.float16)
                 t = timeit([lambda c=c: kernels._decode_attention(q, wk, wk, c, SCALE, None)

@@ -15,6 +15,7 @@
 #define TQ_SQRT(x) sqrtf(x)
 #define TQ_FMAX(a, b) fmaxf((a), (b))
 #define TQ_NEG_INF (-__int_as_float(0x7f800000))
+#define TQ_FLOAT2(a, b) make_float2((a), (b))
 #define TQ_TO_FLOAT(x) static_cast<float>(x)
 #define TQ_TO_HALF(x) __float2half_rn(x)
 typedef unsigned long long tq_u64;

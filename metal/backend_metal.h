@@ -17,6 +17,7 @@ using namespace metal;
 #define TQ_SQRT(x) metal::sqrt(x)
 #define TQ_FMAX(a, b) metal::fmax((a), (b))
 #define TQ_NEG_INF (-INFINITY)
+#define TQ_FLOAT2(a, b) float2((a), (b))
 #define TQ_TO_FLOAT(x) static_cast<float>(x)
 #define TQ_TO_HALF(x) static_cast<half>(x)
 typedef ulong tq_u64;

@@ -222,7 +222,9 @@ def _rel(a, b):
 @pytest.mark.parametrize("bits", WIDTHS)
 @pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("gqa", [1, 4, 8])
-def test_decode_matches_reference(bits, d, gqa):
+@pytest.mark.parametrize("pair", ["0", "1"])
+def test_decode_matches_reference(monkeypatch, bits, d, gqa, pair):
+    monkeypatch.setenv("TQ_DECODE_PAIR", pair)  # one or two indices per lookup
     bk, bv = bits
     rng = np.random.default_rng(d * 100 + gqa * 10 + bk)
     B, H, L = 1, 2, 1 if gqa > 1 else 2

@@ -154,6 +154,7 @@ def decode_config(d: int, rows: int, b_hkv: int, n: int) -> Optional[dict]:
     dpt = int(os.environ.get("TQ_DECODE_DPT", 0)) or (16 if rows <= 4 else 8 if rows <= 8 else 4)
     dpt = max(dpt, d // 32)
     u = int(os.environ.get("TQ_DECODE_U", 0)) or 4
+    pair = int(os.environ.get("TQ_DECODE_PAIR", 0))
     if d % dpt or (d // dpt) & (d // dpt - 1) or rows * dpt > 128 or d > 256:
         return None
     gpw = 32 // (d // dpt)
@@ -165,7 +166,7 @@ def decode_config(d: int, rows: int, b_hkv: int, n: int) -> Optional[dict]:
     splits = max(1, -(-target // max(1, b_hkv)))
     toks = max(step, -(-n // splits))
     toks = -(-toks // step) * step
-    return {"DPT": dpt, "NW": nw, "U": u, "TOKS": toks, "S": -(-n // toks)}
+    return {"DPT": dpt, "NW": nw, "U": u, "PAIR": pair, "TOKS": toks, "S": -(-n // toks)}
 
 
 @lru_cache(maxsize=4096)
@@ -219,7 +220,7 @@ def decode(
         inputs=[q, keys_packed, keys_norms, values_packed, values_norms,
                 _f32(key_centroids), _f32(value_centroids), meta],
         template=[("D", D), ("BK", key_bits), ("BV", value_bits), ("GL", R),
-                  ("DPT", cfg["DPT"]), ("NW", NW), ("U", cfg["U"])],
+                  ("DPT", cfg["DPT"]), ("NW", NW), ("U", cfg["U"]), ("PAIR", cfg["PAIR"])],
         grid=(S * NW * 32, H, B), threadgroup=(NW * 32, 1, 1),
         output_shapes=[(B, H, S, R, D), (B, H, S, R), (B, H, S, R)],
         output_dtypes=[mx.float32] * 3,
