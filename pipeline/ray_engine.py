@@ -392,8 +392,11 @@ class RayRun:
         from .ingest import discover
         from .lock import JobLock
         from .progress import make_progress
-        from .runner import RunSummary
+        from .runner import RunSummary, with_pages
 
+        # A --pages override is part of the job's context, hence of the keys,
+        # exactly as in the local runner; workers then need no separate pages.
+        self.job, self.pages = with_pages(self.job, self.pages), None
         refs = list(discover(self.job) if self.refs is None else self.refs)
         summary = RunSummary(documents=len(refs))
         job = self.job

@@ -382,3 +382,17 @@ def test_importing_the_ray_engine_does_not_import_ray():
     Ray itself loads only when a Ray run starts."""
     code = "import sys, pipeline.ray_engine, pipeline.runner; sys.exit('ray' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+def test_pages_override_is_part_of_the_keys(cluster, tmp_path):
+    """``--pages`` changes the record keys as in the local runner, so output
+    for pages 1-1 never counts as done for a run over whole documents."""
+    from pipeline.runner import with_pages
+
+    job = load_job(write_job(tmp_path, 3, tasks=TWO_TASKS, pdf=False))
+    first = RayRun(job, pages="1", progress=False, num_cpus_per_worker=0.5, setup=fake_setup,
+                   process=fake_records).run()
+    assert first.records_written == 6
+    assert_exactly_once(read_records(job.output_path), with_pages(job, "1"))
+    whole = RayRun(job, progress=False, num_cpus_per_worker=0.5, setup=fake_setup, process=fake_records).run()
+    assert (whole.skipped, whole.records_written) == (0, 6)
