@@ -319,6 +319,7 @@ class ConfigResult:
     kl: float = 0.0
     needle: float = 0.0
     kv_bytes: float = 0.0
+    positions: int = 0  # next-token distributions compared, all prompts
     seconds: float = 0.0
     answers: list[str] = field(default_factory=list)
 
@@ -345,6 +346,7 @@ def evaluate(model: Any, tokenizer: Any, prompts: Sequence[NeedlePrompt], config
             res.kl += kl / len(prompts)
             res.needle += (prompt.answer in run.answer_text) / len(prompts)
             res.kv_bytes += run.kv_bytes / len(prompts)
+            res.positions += run.logprobs.shape[0]
             res.seconds += run.seconds
             res.answers.append(run.answer_text.strip())
             mx.clear_cache()
