@@ -396,3 +396,20 @@ def test_pages_override_is_part_of_the_keys(cluster, tmp_path):
     assert_exactly_once(read_records(job.output_path), with_pages(job, "1"))
     whole = RayRun(job, progress=False, num_cpus_per_worker=0.5, setup=fake_setup, process=fake_records).run()
     assert (whole.skipped, whole.records_written) == (0, 6)
+
+
+def test_cli_engine_ray_on_a_private_cluster(smollm2_dir, tmp_path):
+    """``tqpipe run JOB --engine ray`` end to end in a fresh process: it starts
+    its own local Ray, runs the built-in model on one worker, writes through
+    the checkpoint and exits 0 (a job file saying ``kind: local``)."""
+    job_path = write_job(tmp_path, 2, tasks=ONE_TASK, workers=1)
+    job_path.write_text(job_path.read_text().replace("kind: ray", "kind: local"))
+    env = {**os.environ, "TQPIPE_PROGRESS": "log"}
+    env.pop("PYTHONPATH", None)  # the real code path needs nothing from tests/
+    proc = subprocess.run([sys.executable, "-m", "pipeline.cli", "run", str(job_path), "--engine", "ray"],
+                          capture_output=True, text=True, timeout=240, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "2 documents; 2 done, 0 failed" in proc.stdout
+    records = read_records(load_job(job_path).output_path)
+    assert_exactly_once(records, load_job(job_path))
+    assert all(r["status"] == "ok" and "worker" in r for r in records)  # written by the Ray path
