@@ -169,10 +169,12 @@ def decode_config(d: int, rows: int, b_hkv: int, n: int) -> Optional[dict]:
     return {"DPT": dpt, "NW": nw, "U": u, "PAIR": pair, "TOKS": toks, "S": -(-n // toks)}
 
 
-@lru_cache(maxsize=4096)
+@lru_cache(maxsize=256)
 def _meta(*values: int) -> mx.array:
     """Small int32 parameter arrays, cached: building one from Python is a
-    host-to-device copy per call, which dominates short decode steps."""
+    host-to-device copy.  (In real decode ``n`` grows every step, so each step
+    still uploads one; custom kernels take no scalar arguments, and a
+    template argument would recompile per step.)"""
     return mx.array(values, dtype=mx.int32)
 
 
