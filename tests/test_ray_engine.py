@@ -112,7 +112,6 @@ def fake_process(state, job, payload, pages):
         os.kill(os.getpid(), signal.SIGKILL)
     if hooks.get("raise"):
         raise ValueError(f"bad document {name}")
-    stall_once(hooks.get("stall_once"))
     return [{"doc": name, "pid": state["pid"]}]
 
 
@@ -241,29 +240,11 @@ def test_dispatcher_charges_only_the_document_that_kills_and_gives_up(cluster):
     assert d.stats.completed == 12
 
 
-def test_dispatcher_retries_a_killed_worker_document_once(cluster, tmp_path):
-    """SIGKILL from outside while a document runs: it is resubmitted to a new
-    worker process and finishes there; nothing is lost or duplicated."""
-    marker = tmp_path / "victim.pid"
-    hooks = {"doc00002": {"stall_once": str(marker)}}
-    d = Dispatcher(fake_actor_factory(), workers=2, max_in_flight_per_worker=2, max_retries=1)
-    killer = kill_when_marked(marker)
-    results, errors, gave_up = drive(d, items(8, hooks))
-    killer.join()
-
-    assert not errors and not gave_up
-    assert sorted(r["doc"] for r in results) == [f"doc{i:05d}" for i in range(8)]
-    assert d.stats.worker_deaths == 1
-    killed_pid = int(marker.read_text())
-    [victim] = [r for r in results if r["doc"] == "doc00002"]
-    assert victim["pid"] != killed_pid
-
-
 # --- whole runs -------------------------------------------------------------------
 
 TWO_TASKS = """\
-- {name: total, prompt: "What is the total due?", max_tokens: 3}
-- {name: customer, prompt: "Who is the customer?", max_tokens: 3}"""
+- {name: total, prompt: "What is the total due?", max_tokens: 2}
+- {name: customer, prompt: "Who is the customer?", max_tokens: 2}"""
 ONE_TASK = '- {name: echo, prompt: "Say something.", max_tokens: 1}'
 
 
@@ -389,13 +370,13 @@ def test_pages_override_is_part_of_the_keys(cluster, tmp_path):
     for pages 1-1 never counts as done for a run over whole documents."""
     from pipeline.runner import with_pages
 
-    job = load_job(write_job(tmp_path, 3, tasks=TWO_TASKS, pdf=False))
+    job = load_job(write_job(tmp_path, 2, tasks=TWO_TASKS, pdf=False))
     first = RayRun(job, pages="1", progress=False, num_cpus_per_worker=0.5, setup=fake_setup,
                    process=fake_records).run()
-    assert first.records_written == 6
+    assert first.records_written == 4
     assert_exactly_once(read_records(job.output_path), with_pages(job, "1"))
     whole = RayRun(job, progress=False, num_cpus_per_worker=0.5, setup=fake_setup, process=fake_records).run()
-    assert (whole.skipped, whole.records_written) == (0, 6)
+    assert (whole.skipped, whole.records_written) == (0, 4)
 
 
 def test_cli_engine_ray_on_a_private_cluster(smollm2_dir, tmp_path):
