@@ -27,6 +27,7 @@ Ray is imported lazily: the local engine never imports it.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 from collections import deque
@@ -402,9 +403,13 @@ class RayRun:
         job = self.job
         with JobLock(job.output_path, job=job.spec.name), ResultLog(job.output_path).open() as log:
             bar = make_progress(len(refs), "documents", "doc") if self.progress else None
-            started = _connect(self.address, self.workers * self.num_cpus)
-            dispatcher = None
+            work = self._work(refs, log, summary, bar)
+            first = next(work, None)
+            started, dispatcher = False, None
             try:
+                if first is None:  # all done already: like the local runner, load no model
+                    return self._finish(summary)
+                started = _connect(self.address, self.workers * self.num_cpus)
                 dispatcher = Dispatcher(
                     self._actor_factory(), workers=self.workers,
                     max_in_flight_per_worker=self.per_worker, max_retries=self.max_retries,
@@ -413,7 +418,7 @@ class RayRun:
                 self._start(dispatcher)
                 writer = _Writer(job, log, summary, bar, self.retry_failed)
                 dispatcher.run(
-                    self._work(refs, log, summary, bar),
+                    itertools.chain([first], work),
                     on_result=writer.records,
                     on_error=lambda item, exc: writer.failure(item, _error(exc, "worker")),
                     on_give_up=lambda item: writer.failure(item, _died(item)),
@@ -422,10 +427,13 @@ class RayRun:
                 if bar is not None:
                     bar.close()
                 _release(dispatcher, started)
+        return self._finish(summary)
+
+    def _finish(self, summary: Any) -> Any:
         logger.info(
             "%s on Ray (%d workers): %d documents, %d records written (%d ok, %d failed), "
             "%d already done, %d worker deaths",
-            job.spec.name, self.workers, summary.documents, summary.records_written, summary.done,
+            self.job.spec.name, self.workers, summary.documents, summary.records_written, summary.done,
             summary.failed, summary.skipped, self.stats.worker_deaths if self.stats else 0,
         )
         return summary
@@ -456,7 +464,9 @@ class RayRun:
                 f"(cluster {self.address or 'local'}; each needs {self.num_cpus} CPU)"
             ) from None
         except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as e:
-            raise TqpipeError(f"Ray: a worker failed to start (loading the model): {_first_line(e)}") from None
+            # The creation task's traceback ends with the real error ("ModelLoadError: ...").
+            cause = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+            raise TqpipeError(f"Ray: a worker failed to start (loading the model): {cause}") from None
         self.ready_s = time.perf_counter() - t0
         logger.info("Ray: %d workers ready in %.1f s on %s", len(where), self.ready_s,
                     ", ".join(sorted({w["host"] for w in where})))

@@ -146,6 +146,12 @@ def kill_when_marked(marker: Path, timeout: float = 60.0) -> threading.Thread:
     return thread
 
 
+def failing_setup(job):
+    from pipeline.errors import ModelLoadError
+
+    raise ModelLoadError("/models/missing: no such model directory")
+
+
 def fake_records(state, job, task: DocumentTask, pages, *, die_on: str | None = None, delay: float = 0.0):
     """A fake engine that returns valid records (no model): one per pending task."""
     if task.ref.doc_id == die_on:
@@ -295,8 +301,10 @@ def test_document_that_keeps_killing_its_worker_is_recorded_failed(cluster, tmp_
     assert summary.failed_documents == ["docs/doc00003.pdf"] and summary.exit_code == 1
     assert 2 <= run.stats.worker_deaths <= 3  # + 1 if the first death was ambiguous
     # A rerun has nothing to do: error records count as done unless retried.
-    again = RayRun(job, progress=False, num_cpus_per_worker=0.5, setup=fake_setup, process=fake_records).run()
+    again_run = RayRun(job, progress=False, num_cpus_per_worker=0.5, setup=fake_setup, process=fake_records)
+    again = again_run.run()
     assert again.skipped == 8 and again.records_written == 0 and again.failed == 2
+    assert again_run.stats is None  # nothing to do: no actor started, no model loaded
     # --retry-failed redoes only the failed document; its ok records supersede the errors.
     retried = RayRun(job, progress=False, retry_failed=True, num_cpus_per_worker=0.5, setup=fake_setup,
                      process=fake_records).run()
@@ -394,3 +402,16 @@ def test_cli_engine_ray_on_a_private_cluster(smollm2_dir, tmp_path):
     records = read_records(load_job(job_path).output_path)
     assert_exactly_once(records, load_job(job_path))
     assert all(r["status"] == "ok" and "worker" in r for r in records)  # written by the Ray path
+
+
+def test_worker_that_cannot_load_its_model_stops_the_run_clearly(cluster, tmp_path):
+    """A model that fails to load in the actors is one clear error, not a
+    stream of 'worker died' records; the lock is released for the next run."""
+    from pipeline.errors import TqpipeError
+
+    job = load_job(write_job(tmp_path, 2, tasks=ONE_TASK, pdf=False))
+    with pytest.raises(TqpipeError, match="failed to start.*no such model directory"):
+        RayRun(job, progress=False, num_cpus_per_worker=0.5, setup=failing_setup, process=fake_records).run()
+    assert not job.output_path.exists() or job.output_path.read_bytes() == b""
+    summary = RayRun(job, progress=False, num_cpus_per_worker=0.5, setup=fake_setup, process=fake_records).run()
+    assert summary.records_written == 2
