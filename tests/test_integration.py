@@ -1,6 +1,8 @@
 """End to end: mlx-lm and mlx-vlm models run on TurboQuantKVCache through
 the attention hook alone (no model file edited)."""
 
+import sys
+
 import mlx.core as mx
 import pytest
 from mlx_lm.generate import generate_step
@@ -8,7 +10,7 @@ from mlx_lm.models.cache import KVCache, QuantizedKVCache, load_prompt_cache, sa
 
 import turboquant.integration as integration
 from tiny_models import prompt_tokens, tiny_llama
-from turboquant import make_prompt_cache
+from turboquant import TurboQuantKVCache, make_prompt_cache
 from turboquant.widths import ALLOWED_KV_BITS
 
 WINDOW = 16  # small, so most of each prompt is served from packed codes
@@ -43,7 +45,9 @@ def last_logits(model, prompt, cache, chunk=64):
     return model(prompt[None, -1:], cache=cache)[0, -1]
 
 
-def test_install_is_idempotent_and_rebinds_imported_model_modules():
+def test_install_is_idempotent_and_rebinds_imported_model_modules(monkeypatch, dispatch_count):
+    import types
+
     import mlx_lm.models.base as lm_base
     import mlx_lm.models.llama as llama_mod
     import mlx_vlm.models.base as vlm_base
@@ -54,10 +58,26 @@ def test_install_is_idempotent_and_rebinds_imported_model_modules():
     integration.install()
     assert lm_base.scaled_dot_product_attention is first  # not wrapped twice
     assert first._turboquant and not getattr(first.__wrapped__, "_turboquant", False)
-    assert llama_mod.scaled_dot_product_attention is first
-    assert qwen2_vl_lang.scaled_dot_product_attention is vlm_base.scaled_dot_product_attention
     assert vlm_base.scaled_dot_product_attention._turboquant
     assert integration.is_installed()
+
+    # a model module that bound the original by name gets the wrapper
+    fake = types.ModuleType("mlx_vlm.models._tq_fake_model")
+    fake.scaled_dot_product_attention = vlm_base.scaled_dot_product_attention.__wrapped__
+    monkeypatch.setitem(sys.modules, fake.__name__, fake)
+    integration.install()
+    assert fake.scaled_dot_product_attention is vlm_base.scaled_dot_product_attention
+
+    # and the real model modules route a TurboQuant cache to our attention
+    # (checked by behaviour: other code may have wrapped them again since)
+    c = TurboQuantKVCache(4, window=0)
+    k = mx.random.normal((1, 2, 20, 64))
+    c.update_and_fetch(k, k)
+    wk, wv = c.update_and_fetch(k[:, :, :1], k[:, :, :1])
+    q = mx.random.normal((1, 4, 1, 64))
+    for module in (llama_mod, qwen2_vl_lang):
+        module.scaled_dot_product_attention(q, wk, wv, c, scale=0.125, mask=None)
+    assert dispatch_count == [20, 20]
 
 
 def test_other_caches_go_to_the_original_unchanged():
