@@ -127,6 +127,27 @@ class Engines:
         return self._engines[slot]
 
 
+def model_context_limit(config: dict | None) -> int | None:
+    """The model's trained context length (``max_position_embeddings``), if it says."""
+    config = config or {}
+    limit = config.get("max_position_embeddings") or (config.get("text_config") or {}).get("max_position_embeddings")
+    return int(limit) if limit else None
+
+
+def effective_context(context: Any, config: dict | None) -> Any:
+    """``context`` with ``max_tokens`` capped at the model's own limit.
+
+    A job may ask for 32k tokens of a model trained on 8k; past its limit a
+    model's positions are out of distribution and answers degrade silently,
+    so the cap applies the job's overflow policy at the model's limit instead
+    (the record's ``context.model_max_tokens`` says so).
+    """
+    limit = model_context_limit(config)
+    if limit is None or limit >= context.max_tokens:
+        return context
+    return context.model_copy(update={"max_tokens": limit})
+
+
 def needs_images(doc: Document) -> bool:
     return any(p.image is not None for p in doc.pages)
 
@@ -145,9 +166,12 @@ def _base(job: Any, ref: DocumentRef, digest: str, task: Any, key: str) -> dict:
     )
 
 
-def _context_record(job: Any, prompt: DocumentPrompt | None, doc: Document | None) -> dict:
+def _context_record(job: Any, prompt: DocumentPrompt | None, doc: Document | None, config: dict | None = None) -> dict:
     ctx = job.spec.context
     rec: dict = {"max_tokens": ctx.max_tokens, "overflow": ctx.overflow, "images": ctx.images}
+    limit = model_context_limit(config)
+    if limit is not None and limit < ctx.max_tokens:
+        rec["model_max_tokens"] = limit
     if prompt is not None:
         rec.update(prompt.truncation)
         rec["n_images"] = prompt.n_images
@@ -168,7 +192,7 @@ def _error_records(job, ref, digest, tasks, keys, exc, stage, **fields) -> Itera
         )
 
 
-def _ok_record(job, ref, digest, task, key, result, prompt, doc, model_name) -> dict:
+def _ok_record(job, ref, digest, task, key, result, prompt, doc, model_name, config=None) -> dict:
     parsed = parse_error = None
     extra: dict = {"finish_reason": result.finish_reason}
     if task.format == "json":
@@ -191,7 +215,7 @@ def _ok_record(job, ref, digest, task, key, result, prompt, doc, model_name) -> 
         timing=result.timing,
         cache=result.cache,
         model=model_name,
-        context=_context_record(job, prompt, doc),
+        context=_context_record(job, prompt, doc, config),
         pages=prompt.pages_record(),
         **extra,
     )
@@ -233,21 +257,21 @@ def process_document(
         yield from _error_records(job, ref, digest, tasks, keys, e, "ingest")
         return
     pending = list(tasks)
-    stage, model_name, prompt = "model", None, None
+    stage, model_name, prompt, config = "model", None, None, None
     try:
         engine = engines.get(needs_images(doc))
-        model_name = engine.loaded.name
+        model_name, config = engine.loaded.name, engine.loaded.config
         stage = "context"
         loaded = engine.loaded
         prompt = PromptBuilder(loaded.tokenizer, processor=loaded.processor, kind=loaded.kind).build(
-            doc, job.spec.context, tasks
+            doc, effective_context(job.spec.context, loaded.config), tasks
         )
         if on_prompt is not None:
             on_prompt(prompt)
         stage = "prefill"
         for result in engine.iter_process(prompt, tasks, on_prefill=on_prefill, on_token=on_token):
             task = pending.pop(0)
-            yield _ok_record(job, ref, digest, task, keys[task.name], result, prompt, doc, model_name)
+            yield _ok_record(job, ref, digest, task, keys[task.name], result, prompt, doc, model_name, loaded.config)
             stage = "decode"
     except (KeyboardInterrupt, SystemExit):
         raise
@@ -257,7 +281,7 @@ def process_document(
         yield from _error_records(
             job, ref, digest, pending, keys, e, stage,
             model=model_name,
-            context=_context_record(job, prompt, doc),
+            context=_context_record(job, prompt, doc, config),
             pages=prompt.pages_record() if prompt is not None else None,
         )
 
@@ -292,10 +316,13 @@ def _tokenizer_only(path: str | None, images: bool) -> PromptBuilder:
         from mlx_vlm.utils import load_processor
 
         processor = load_processor(model_dir, add_detokenizer=False)
-        return PromptBuilder(getattr(processor, "tokenizer", processor), processor=processor, kind="vlm")
-    from transformers import AutoTokenizer
+        builder = PromptBuilder(getattr(processor, "tokenizer", processor), processor=processor, kind="vlm")
+    else:
+        from transformers import AutoTokenizer
 
-    return PromptBuilder(AutoTokenizer.from_pretrained(str(model_dir)), kind="text")
+        builder = PromptBuilder(AutoTokenizer.from_pretrained(str(model_dir)), kind="text")
+    builder.model_config = config  # for the model's own context limit
+    return builder
 
 
 def dry_run_document(tokenizers: _Tokenizers, job: Any, ref: DocumentRef, *, pages: str | None = None) -> dict:
@@ -308,7 +335,9 @@ def dry_run_document(tokenizers: _Tokenizers, job: Any, ref: DocumentRef, *, pag
     row.update(pages=len(doc.pages), page_count=doc.page_count, skipped_pages=len(doc.skipped_pages),
                images=sum(p.image is not None for p in doc.pages))
     try:
-        prompt = tokenizers.get(needs_images(doc)).build(doc, job.spec.context, job.spec.tasks)
+        builder = tokenizers.get(needs_images(doc))
+        context = effective_context(job.spec.context, getattr(builder, "model_config", None))
+        prompt = builder.build(doc, context, job.spec.tasks)
     except ContextOverflowError as e:
         return {**row, "fits": False, "error": str(e)}
     except TqpipeError as e:

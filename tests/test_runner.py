@@ -249,3 +249,19 @@ def test_json_record_checks_cited_pages_and_fields():
     bad = _ok_record(job, ref, "sha256:ab", task, "sha256:ab/f/0123",
                      TaskResult(**{**result.__dict__, "text": '{"total": 12'}), prompt, None, "m")
     assert bad["status"] == "ok" and bad["parsed"] is None and "invalid JSON" in bad["parse_error"]
+
+
+def test_context_is_capped_at_the_models_own_limit(tmp_path, docs, tiny_vlm_dir, monkeypatch):
+    from pipeline.models import load_model
+
+    def small_context(path, needs_images=False):
+        loaded = load_model(path, needs_images=needs_images)
+        loaded.config = {**loaded.config, "max_position_embeddings": 80}
+        return loaded
+
+    job = load_job(write_job(tmp_path, model=str(tiny_vlm_dir), inputs="docs/a.pdf"))
+    assert job.spec.context.max_tokens == 2048
+    run_job(job, engines=Engines(job, loader=small_context), progress=False)
+    rec = records(job)[0]
+    assert rec["context"]["model_max_tokens"] == 80 and rec["context"]["truncated"] is True
+    assert rec["tokens"]["document"] + rec["tokens"]["task_prompt"] + 4 <= 80
