@@ -27,7 +27,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
 
-from .context import DocumentPrompt, PromptBuilder, task_text
+from .context import DocumentPrompt, PromptBuilder
 from .errors import ContextOverflowError, IngestError, TqpipeError
 from .extract import check_citations, cited_pages, missing_fields, pages_in_text, parse_json_output
 from .ingest import Document, DocumentRef, content_hash, discover, ingest
@@ -485,6 +485,5 @@ __all__ = [
     "process_document",
     "run_job",
     "task_keys",
-    "task_text",
     "with_pages",
 ]

@@ -10,7 +10,6 @@ import time
 from pathlib import Path
 
 import orjson
-import pytest
 from click.testing import CliRunner
 from fixtures_models import *  # noqa: F403
 
