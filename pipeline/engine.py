@@ -79,23 +79,12 @@ _WINDOW_ATTRS = ("offset", "packed_len", "window_keys", "window_values", "key_me
 
 def _make_cache(model: Any, spec: Any) -> list:
     """Per-layer caches for ``model`` (the mlx-lm model, or the whole mlx-vlm model)."""
-    try:
-        from turboquant import make_prompt_cache
-    except ImportError:
-        make_prompt_cache = None
-    if make_prompt_cache is not None:
-        opts = {"key_bits": spec.key_bits, "value_bits": spec.value_bits, "window": spec.window}
-        if spec.kv_quant_scheme != "turboquant":
-            opts = {}
-        return make_prompt_cache(model, kv_bits=spec.kv_bits, kv_quant_scheme=spec.kv_quant_scheme, **opts)
-    if spec.kv_quant_scheme == "turboquant":
-        raise TqpipeError("kv_quant_scheme: turboquant needs turboquant.make_prompt_cache, which is not available")
-    from mlx_lm.models.cache import make_prompt_cache as mlx_cache
+    from turboquant import make_prompt_cache
 
-    cache = mlx_cache(getattr(model, "language_model", model))
-    if spec.kv_quant_scheme == "affine":
-        cache = [c.to_quantized(group_size=64, bits=int(spec.kv_bits)) for c in cache]
-    return cache
+    opts = {}
+    if spec.kv_quant_scheme == "turboquant":
+        opts = {"key_bits": spec.key_bits, "value_bits": spec.value_bits, "window": spec.window}
+    return make_prompt_cache(model, kv_bits=spec.kv_bits, kv_quant_scheme=spec.kv_quant_scheme, **opts)
 
 
 def _param_names(fn: Any) -> set[str]:
@@ -140,7 +129,8 @@ class Engine:
 
     # -- forward ----------------------------------------------------------
     def _forward(self, ids: mx.array | None, embeds: mx.array | None, positions: mx.array | None, *, logits: bool):
-        """One forward step over a chunk; returns last-position logits or None."""
+        """One forward step over a chunk; returns last-position logits, or None
+        when ``logits`` is False (document chunks: the LM head never runs)."""
         n = (ids if ids is not None else embeds).shape[1]
         self.tokens_forwarded += n
         if self._head is None:
@@ -149,12 +139,14 @@ class Engine:
             return out[:, -1, :] if logits else None
         kwargs: dict = {"cache": self.cache}
         if embeds is not None:
+            if self._embeds_kw is None:
+                raise TqpipeError(f"{type(self.backbone).__name__} takes no input embeddings; cannot merge page images")
             kwargs[self._embeds_kw] = embeds
         if positions is not None and self._pos_kw:
             kwargs["position_ids"] = positions
         h = self.backbone(ids, **kwargs)
         if not logits:
-            return h
+            return None  # the cache holds what matters; h stays an unevaluated graph
         return self._head(h[:, -1:, :])[:, -1, :]
 
     def _positions(self, state: _Prefilled, n: int) -> mx.array | None:
