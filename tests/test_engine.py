@@ -51,13 +51,13 @@ class Loaded:
     config: dict = None
 
 
-def tiny_llama(seed: int = 0) -> Loaded:
+def tiny_llama(seed: int = 0, **overrides) -> Loaded:
     mx.random.seed(seed)
-    args = llama.ModelArgs(
-        model_type="llama", hidden_size=64, num_hidden_layers=2, intermediate_size=128,
-        num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=VOCAB,
-        tie_word_embeddings=False,
-    )
+    args = llama.ModelArgs(**{
+        "model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 128,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-5, "vocab_size": VOCAB,
+        "tie_word_embeddings": False, **overrides,
+    })
     model = llama.Model(args)
     model.set_dtype(mx.float32)
     mx.eval(model.parameters())
@@ -241,3 +241,14 @@ def test_chunks_never_split_a_page_image():
     chunks = list(_chunks(30, 8, spans))
     assert [(s, e) for s, e, _ in chunks] == [(0, 12), (12, 20), (20, 28), (28, 30)]
     assert [x for _, _, x in chunks] == [[{"img": 1}], [], [{"img": 2}], []]
+
+
+def test_affine_baseline_also_reuses_one_prefill():
+    loaded = tiny_llama(hidden_size=128, num_attention_heads=2, num_key_value_heads=1)  # head_dim 64 = group size
+    spec = CacheSpec(kv_quant_scheme="affine", kv_bits=8, prefill_chunk=16)
+    prompt = make_prompt(48, TASKS)
+    engine = Engine(loaded, spec)
+    results = engine.process(prompt, TASKS)
+    assert engine.prefill_count == 1 and results[0].cache["scheme"] == "affine"
+    for task, res in zip(TASKS, results):
+        assert res.token_ids == Engine(loaded, spec).process(make_prompt(48, [task]), [task])[0].token_ids
