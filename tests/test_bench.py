@@ -16,7 +16,8 @@ def result():
 
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
-        bench.main(["--json", "--tokens", "512", "--contexts", "256", "--reps", "1"])
+        bench.main(["--json", "--tokens", "256", "--contexts", "256", "--reps", "1",
+                    "--queries", "8", "--mse-vectors", "1024"])
     lines = buf.getvalue().strip().splitlines()
     return lines, json.loads(lines[-1])
 
@@ -62,6 +63,9 @@ def test_quality_ordering(result):
         assert out[f"ours{w}"] < 0.8 * out[f"codec_only{w}"]
         # the shipped cache + attention agree with the reconstruction they encode
         assert abs(out[f"system_nowindow{w}"] - out[f"ours{w}"]) < 0.3 * out[f"ours{w}"]
+        # the peer's quality is measured on exactly what its attention computes
+        assert abs(out[f"peer_direct_vs_recon{w}"]) < 1e-4
+    assert out["ours_swapped2.5"] > 0 and out["ours_swapped3.5"] > 0
 
 
 def test_quick_config_is_small():
