@@ -192,3 +192,32 @@ def test_batch_and_half_precision_window():
     out = turboquant_attention(q, wk, wv, c, D**-0.5, "causal")
     assert out.dtype == mx.float16
     close(out.astype(mx.float32), dense_reference(q, c, wk, wv, D**-0.5, "causal"), tol=2e-3)
+
+
+def test_prefill_chunk_memory_is_bounded_by_the_chunk():
+    """A 256-token chunk over 8k packed tokens: beyond what the chunk's own
+    exact attention takes (its [G*L, window] scores), the packed history adds
+    one block plus chunk-sized float32 accumulators ([G*L, D]: q_rot, acc,
+    its inverse rotation) -- measured 12.3 MB -- where dequantizing the
+    history would take 33.5 MB (and grow with it)."""
+    H_kv, G, D, N, L = 4, 4, 128, 8192, 256
+    c = TurboQuantKVCache(3.5, window=128)
+    mx.random.seed(1)
+    c.update_and_fetch(mx.random.normal((1, H_kv, N, D)), mx.random.normal((1, H_kv, N, D)))
+    mx.eval(c.state)
+    wk, wv = c.update_and_fetch(mx.random.normal((1, H_kv, L, D)), mx.random.normal((1, H_kv, L, D)))
+    q = mx.random.normal((1, H_kv * G, L, D))
+    mx.eval(c.state, q, wk, wv)
+    dense_bytes = 2 * c.packed_len * H_kv * D * 4
+
+    def extra():
+        mx.reset_peak_memory()
+        base = mx.get_active_memory()
+        mx.eval(turboquant_attention(q, wk, wv, c, D**-0.5, "causal"))
+        return mx.get_peak_memory() - base
+
+    with_history = extra()
+    c.packed_len, packed = 0, c.packed_len  # same call, window only
+    window_only = extra()
+    c.packed_len = packed
+    assert with_history - window_only < dense_bytes / 2, (with_history, window_only, dense_bytes)

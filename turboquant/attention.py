@@ -129,7 +129,8 @@ def _packed_part(q_rot: mx.array, cache, packed_mask: Optional[mx.array], G: int
     s = mx.zeros((B, H_kv, M, 1), mx.float32)
     acc = mx.zeros((B, H_kv, M, Dv), mx.float32)
     P = cache.packed_len
-    block = max(64, min(BLOCK, BLOCK_ELEMENTS // (B * H_kv * max(D, Dv))))
+    # one block holds codes [T, D] and scores [M, T] per kv head
+    block = max(64, min(BLOCK, BLOCK_ELEMENTS // (B * H_kv * max(D, Dv, M))))
     for a in range(0, P, block):
         e = min(P, a + block)
         k_norms = cache.keys_norms[:, :, a:e].astype(mx.float32)[:, :, None, :]
