@@ -10,14 +10,16 @@ the same keys/values (docs/bench-turboquant.md):
 - ``"lsq"`` (default): ``‖x‖ ⟨u, ĉ⟩ / ‖ĉ‖²`` with ``ĉ = centroids[idx]``,
   the least-squares scale: the smallest reconstruction error.
 - ``"preserve"``: ``‖x‖ / ‖ĉ‖``, so the reconstruction has exactly ``‖x‖``.
-LSQ gave the lower attention-output error in every case measured (all five
-widths, Gaussian and outlier-heavy K/V, with and without centring; e.g.
-1-cos 0.0198 vs 0.0254 at 2 bits on outlier keys).  Why: the Lloyd-Max
-centroid is the conditional mean of its cell, so ``q·ĉ`` is already the
-best estimate of ``q·u`` given the code; scaling ``ĉ`` up to unit length
-(preserve) inflates every logit by ``1/‖ĉ‖`` (≈ +3% at 2 bits) and makes the
-softmax too sharp, while LSQ stays at that estimate (``⟨u, ĉ⟩ ≈ ‖ĉ‖²``) and
-removes the per-vector part of the error along ``ĉ``.
+LSQ gave the lower attention-output error in 17 of 20 cases (five widths x
+Gaussian/outlier K/V x with/without centring; e.g. 1-cos 0.0130 vs 0.0177 at
+2 bits on outlier keys), losing only on centred Gaussian data.  Why: the
+Lloyd-Max centroid is the conditional mean of its cell, so ``q·ĉ`` is
+already the best estimate of ``q·u`` given the code; scaling ``ĉ`` up to
+unit length (preserve) inflates every logit by ``1/‖ĉ‖`` (≈ +6% at 2 bits, +2% at 3)
+and over-sharpens the softmax, while LSQ stays at that estimate
+(``⟨u, ĉ⟩ ≈ ‖ĉ‖²``) and removes the per-vector error along ``ĉ``.  (For
+values, the LSQ shrink pulls an attention average slightly toward the
+stored mean, which is what costs on centred Gaussian data.)
 
 Norms are float16: 2 bytes per vector (the layout budget the byte counts in
 the issue assume: 116 B/token/KV head at 3.5 bits for d=128), a relative
