@@ -8,7 +8,9 @@ Everything is measured in one process on the same tensors, so the numbers
 compare directly:
 
 * storage: bytes per token per KV head (and per layer with 8 KV heads, d=128)
-  counted from the arrays each cache actually holds;
+  counted from the arrays each method stores per token (ours: packed codes +
+  float16 norms; the cache's per-head means, exact window and capacity slack
+  are bounded per layer and not per token, so they are left out);
 * MSE of unit vectors vs the Lloyd-Max figure and the 4^-b lower bound;
 * inner-product error of keys against decode queries;
 * attention-output cosine vs float32 attention on float32 K/V, on Gaussian
@@ -16,8 +18,8 @@ compare directly:
   values (per-channel offsets, a few channels 10-20x larger, queries that use
   those channels).  "ours" is the method as shipped (per-head mean removed
   from the first prefill chunk, then the codec); "codec only" skips the
-  centring; "lsq" uses the least-squares scale instead of the norm-preserving
-  one; "peer" is ``mlx_vlm.turboquant.TurboQuantKVCache``, scored on its own
+  centring; "_pres" columns store the norm-preserving scale instead of the
+  default least-squares one; "peer" is ``mlx_vlm.turboquant.TurboQuantKVCache``, scored on its own
   dequantized K/V through the same SDPA (checked against mlx-vlm's attention
   entry point on one query: identical to ~1e-8); "system" is our shipped
   cache + attention path (exact window included), "sys_nowin" the same with
@@ -197,7 +199,7 @@ def ours_attention(cache, wk, wv, q):
 
 # ---------------------------------------------------------------- sections
 def storage(cfg: Config) -> dict:
-    """Bytes per token per KV head, counted from the arrays each cache holds."""
+    """Bytes per token per KV head, counted from the arrays each method stores."""
     t = 512
     _, k, v = make_data("gaussian", t, 1, cfg.seed)
     rows = {"fp16": FP16_BYTES}
