@@ -143,14 +143,21 @@ class CacheConfig:
         raise ValueError(f"benchmarks.quality: unknown scheme {self.scheme!r}")
 
 
-def default_configs(window: int, bits: Sequence[float] = (2.5, 3, 3.5, 4)) -> list[CacheConfig]:
-    configs = [CacheConfig("fp16 (float32 on CPU)", "fp16"),
-               CacheConfig("mlx affine 8-bit", "affine", 8),
-               CacheConfig("mlx affine 4-bit", "affine", 4)]
+SCHEMES = ("fp16", "affine", "mlx-vlm", "turboquant")
+
+
+def default_configs(window: int, bits: Sequence[float] = (2.5, 3, 3.5, 4),
+                    schemes: Sequence[str] = SCHEMES) -> list[CacheConfig]:
+    """The fp16 reference first, then the schemes asked for (ours twice: ``window`` and 0)."""
+    configs = [CacheConfig("fp16 (float32 on CPU)", "fp16")]
+    if "affine" in schemes:
+        configs += [CacheConfig("mlx affine 8-bit", "affine", 8), CacheConfig("mlx affine 4-bit", "affine", 4)]
     for b in bits:
-        configs.append(CacheConfig(f"mlx-vlm TurboQuant {b:g}", "mlx-vlm", b))
-        configs.append(CacheConfig(f"ours {b:g} (window {window})", "turboquant", b, window))
-        configs.append(CacheConfig(f"ours {b:g} (window 0)", "turboquant", b, 0))
+        if "mlx-vlm" in schemes:
+            configs.append(CacheConfig(f"mlx-vlm TurboQuant {b:g}", "mlx-vlm", b))
+        if "turboquant" in schemes:
+            configs.append(CacheConfig(f"ours {b:g} (window {window})", "turboquant", b, window))
+            configs.append(CacheConfig(f"ours {b:g} (window 0)", "turboquant", b, 0))
     return configs
 
 
@@ -359,12 +366,12 @@ def evaluate(model: Any, tokenizer: Any, prompts: Sequence[NeedlePrompt], config
 # --------------------------------------------------------------------- CLI
 def format_table(results: Sequence[ConfigResult]) -> str:
     peer = {r.bits: r.kl for r in results if r.scheme == "mlx-vlm"}
-    lines = ["| cache | top-1 agreement | mean KL | KL / mlx-vlm TQ | needle acc. | KV bytes |",
-             "|---|---:|---:|---:|---:|---:|"]
+    lines = ["| cache | top-1 agreement | mean KL | KL / mlx-vlm TQ | needle acc. | KV bytes | positions |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
     for r in results:
         rel = f"{r.kl / peer[r.bits]:.2f}x" if r.scheme == "turboquant" and peer.get(r.bits) else ""
         lines.append(f"| {r.label} | {100 * r.top1:.2f}% | {r.kl:.5f} | {rel} | "
-                     f"{100 * r.needle:.0f}% | {r.kv_bytes / 1e6:.2f} MB |")
+                     f"{100 * r.needle:.0f}% | {r.kv_bytes / 1e6:.2f} MB | {r.positions} |")
     return "\n".join(lines)
 
 
@@ -375,11 +382,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--chunk", type=int, default=256, help="prefill chunk size")
     p.add_argument("--window", type=int, default=128, help="our exact window (also run with 0)")
     p.add_argument("--bits", default="2.5,3,3.5,4")
+    p.add_argument("--schemes", default=",".join(SCHEMES), help="which caches besides fp16")
+    p.add_argument("--seed", type=int, default=0, help="prompt i uses seed + i (needle, filler)")
     p.add_argument("--continuation", type=int, default=32,
                    help="fp16 greedy tokens to teacher-force (fewer when it stops at EOS)")
     p.add_argument("--answer-tokens", type=int, default=20)
     p.add_argument("--json", action="store_true", help="also print one JSON line")
     a = p.parse_args(argv)
+    schemes = a.schemes.split(",")
+    unknown = set(schemes) - set(SCHEMES)
+    if unknown:
+        p.error(f"--schemes: unknown {', '.join(sorted(unknown))}; choose from {', '.join(SCHEMES)}")
 
     from pipeline.models import load_model
 
@@ -387,8 +400,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     loaded = load_model(None)
     model, tokenizer = loaded.model, loaded.tokenizer
     depths = [float(d) for d in a.depths.split(",")]
-    prompts = [make_needle_prompt(tokenizer, a.tokens, d, seed=i) for i, d in enumerate(depths)]
-    configs = default_configs(a.window, [float(b) for b in a.bits.split(",")])
+    prompts = [make_needle_prompt(tokenizer, a.tokens, d, seed=a.seed + i) for i, d in enumerate(depths)]
+    configs = default_configs(a.window, [float(b) for b in a.bits.split(",")], schemes)
     print(f"model: {loaded.name} (float32 on CPU); prompts: {[len(q.ids) for q in prompts]} tokens, "
           f"needle depths {depths}; prefill chunk {a.chunk}; teacher-forced {a.continuation} tokens",
           flush=True)
@@ -398,7 +411,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(format_table(results))
     print(f"\ntotal {time.perf_counter() - t0:.0f} s on {platform.machine()} CPU")
     if a.json:
-        print(json.dumps({"prompt_tokens": [len(q.ids) for q in prompts], "depths": depths,
+        print(json.dumps({"prompt_tokens": [len(q.ids) for q in prompts], "depths": depths, "seed": a.seed,
                           "chunk": a.chunk, "window": a.window, "continuation": a.continuation,
                           "results": [r.__dict__ for r in results]}))
     return 0

@@ -171,3 +171,12 @@ def test_rewind_gives_back_the_prefilled_cache(tiny_lm, config):
     fresh = config.build(tiny_lm)
     quality.prefill(tiny_lm, fresh, prompt.ids, 64)
     assert mx.allclose(quality.step(tiny_lm, cache, 7), quality.step(tiny_lm, fresh, 7), atol=1e-5)
+
+
+def test_default_configs_put_fp16_first_and_filter_schemes():
+    full = quality.default_configs(128)
+    assert full[0].scheme == "fp16"
+    assert len(full) == 1 + 2 + 4 * 3
+    some = quality.default_configs(64, [3.5], ["mlx-vlm", "turboquant"])
+    assert [(c.scheme, c.bits, c.window) for c in some] == [
+        ("fp16", None, None), ("mlx-vlm", 3.5, None), ("turboquant", 3.5, 64), ("turboquant", 3.5, 0)]
