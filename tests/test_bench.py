@@ -66,6 +66,7 @@ def test_quality_ordering(result):
         # the peer's quality is measured on exactly what its attention computes
         assert abs(out[f"peer_direct_vs_recon{w}"]) < 1e-4
     assert out["ours_swapped2.5"] > 0 and out["ours_swapped3.5"] > 0
+    assert out["ours_search4"] < out["ours4"]
 
 
 def test_quick_config_is_small():

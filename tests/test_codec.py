@@ -113,3 +113,20 @@ def test_errors_are_clear():
         TurboQuantCodec(128, 3, norm_mode="nope")
     with pytest.raises(ValueError, match="expected 128"):
         TurboQuantCodec(128, 3).quantize_rotated(mx.zeros((2, 64)))
+
+
+@pytest.mark.parametrize("bits,min_gain", [(2, 0.0), (3, 0.03), (4, 0.10)])
+def test_gain_search_never_worse_and_helps_at_higher_bits(bits, min_gain):
+    rot = HadamardRotation(128, 11)
+    plain = TurboQuantCodec(128, bits, rot)
+    search = TurboQuantCodec(128, bits, rot, gain_search=True)
+    x = _unit(2000, 128, seed=bits + 20)
+    e_plain = ((plain.dequantize(*plain.quantize(x)) - x) ** 2).sum(-1)
+    q = search.quantize(x)
+    assert q.packed.shape == (2000, plain.words) and q.norms.dtype == mx.float16
+    e_search = ((search.dequantize(*q) - x) ** 2).sum(-1)
+    # per vector: alpha = 1 is among the candidates, so never worse (fp16 slack)
+    assert float((e_search - e_plain).max()) < 1e-4
+    assert float(e_search.mean()) < (1 - min_gain) * float(e_plain.mean())
+    z = search.dequantize(*search.quantize(mx.zeros((2, 128))))
+    assert float(mx.abs(z).max()) == 0.0

@@ -24,6 +24,7 @@ compare directly:
   entry point on one query: identical to ~1e-8); "system" is our shipped
   cache + attention path (exact window included), "sys_nowin" the same with
   window 0; "swapped" puts the extra bit of 2.5/3.5 on keys (same bytes);
+  "gain search" is the codec's optional index search (same layout/decoder);
 * decode-attention time per token (one query, 32 query heads, 8 KV heads,
   d=128) relative to fp16 SDPA and to float32 SDPA, all in one run, as the
   median of interleaved repetitions so machine load hits every method alike.
@@ -122,11 +123,12 @@ def one_minus_cos(out: mx.array, ref: mx.array) -> float:
 
 
 # ---------------------------------------------------------------- methods
-def ours_reconstruct(k, v, kb: int, vb: int, centre: bool = True, norm_mode: str = "lsq"):
+def ours_reconstruct(k, v, kb: int, vb: int, centre: bool = True, norm_mode: str = "lsq",
+                     gain_search: bool = False):
     """Reconstructed K/V of our method (what the packed-cache attention computes with)."""
     rot = HadamardRotation(D, 1234)
-    kc = TurboQuantCodec(D, kb, rot, norm_mode)
-    vc = TurboQuantCodec(D, vb, rot, norm_mode)
+    kc = TurboQuantCodec(D, kb, rot, norm_mode, gain_search)
+    vc = TurboQuantCodec(D, vb, rot, norm_mode, gain_search)
     out = []
     for x, c in ((k, kc), (v, vc)):
         mu = x[:, :, :CENTRE_CHUNK].mean(axis=2, keepdims=True) if centre else 0.0
@@ -227,9 +229,10 @@ def unit_mse(cfg: Config) -> dict:
     res = {}
     for b in (1, 2, 3, 4):
         row = {"lloyd_max": codebook(b, D).mse, "lower_bound": 4.0**-b}
-        for mode in ("preserve", "lsq"):
-            c = TurboQuantCodec(D, b, HadamardRotation(D, 3), mode)
-            row[mode] = float(((c.dequantize(*c.quantize(x)) - x) ** 2).sum(-1).mean())
+        for name, mode, search in (("preserve", "preserve", False), ("lsq", "lsq", False),
+                                   ("lsq_search", "lsq", True)):
+            c = TurboQuantCodec(D, b, HadamardRotation(D, 3), mode, search)
+            row[name] = float(((c.dequantize(*c.quantize(x)) - x) ** 2).sum(-1).mean())
         if cfg.peer and b >= 2:
             cache, _, _ = peer_cache(b, x, x)
             rec = cache.dequantize()[0]
@@ -268,13 +271,14 @@ def attention_quality(cfg: Config, kind: str) -> dict:
         res[f"affine{b}"] = one_minus_cos(affine_attention(b, qk, qv, q), ref)
     for w in ALLOWED_KV_BITS:
         kb, vb = resolve_bits(w)
-        for name, centre, mode in (
-            ("ours", True, "lsq"),
-            ("ours_preserve", True, "preserve"),
-            ("codec_only", False, "lsq"),
-            ("codec_only_preserve", False, "preserve"),
+        for name, centre, mode, search in (
+            ("ours", True, "lsq", False),
+            ("ours_preserve", True, "preserve", False),
+            ("codec_only", False, "lsq", False),
+            ("codec_only_preserve", False, "preserve", False),
+            ("ours_search", True, "lsq", True),
         ):
-            kh, vh = ours_reconstruct(k, v, kb, vb, centre=centre, norm_mode=mode)
+            kh, vh = ours_reconstruct(k, v, kb, vb, centre, mode, search)
             res[f"{name}{w}"] = one_minus_cos(sdpa(q, kh, vh), ref)
         if cfg.peer:
             # Quality from the peer's own reconstruction through the same SDPA
@@ -368,6 +372,7 @@ def run(cfg: Config, log=print) -> dict:
     for b, r in mse.items():
         peer = f"  peer {r['peer']:.5f}" if "peer" in r else ""
         log(f"  b={b}: lsq {r['lsq']:.5f}  preserve {r['preserve']:.5f}  "
+            f"lsq+gain-search {r['lsq_search']:.5f}  "
             f"lloyd-max {r['lloyd_max']:.5f}  bound {r['lower_bound']:.5f}{peer}")
 
     q, k, _ = make_data("outlier", cfg.quality_tokens, cfg.n_queries, cfg.seed)
@@ -389,6 +394,8 @@ def run(cfg: Config, log=print) -> dict:
             log(f"  {w:>7} {g('ours'):9.5f} {g('ours_preserve'):9.5f} {g('codec_only'):9.5f} "
                 f"{g('codec_only_preserve'):10.5f} {g('peer'):9.5f} {g('ours') / g('peer'):9.3f} "
                 f"{g('system'):9.5f} {g('system_nowindow'):9.5f}")
+        gs = "  ".join(f"{w}: {r[f'ours_search{w}']:.5f}" for w in ALLOWED_KV_BITS)
+        log(f"  ours + gain search (same layout): {gs}")
         sw = "  ".join(f"{w}: {r[f'ours_swapped{w}']:.5f}" for w in (2.5, 3.5))
         log(f"  same bytes, extra bit on keys (k3/v2, k4/v3): {sw}")
         if cfg.peer:
@@ -421,6 +428,9 @@ def run(cfg: Config, log=print) -> dict:
             "attn_cosine_outlier": 1 - quality["outlier"][f"ours{w}"],
             "attn_cosine_codec_only": 1 - quality["gaussian"][f"codec_only{w}"],
             "attn_cosine_codec_only_outlier": 1 - quality["outlier"][f"codec_only{w}"],
+            "mse_gain_search": (mse[kb]["lsq_search"] + mse[vb]["lsq_search"]) / 2,
+            "attn_cosine_gain_search": 1 - quality["gaussian"][f"ours_search{w}"],
+            "attn_cosine_gain_search_outlier": 1 - quality["outlier"][f"ours_search{w}"],
         }
         if cfg.peer:
             row["peer_attn_cosine"] = 1 - quality["gaussian"][f"peer{w}"]

@@ -21,6 +21,16 @@ and over-sharpens the softmax, while LSQ stays at that estimate
 values, the LSQ shrink pulls an attention average slightly toward the
 stored mean, which is what costs on centred Gaussian data.)
 
+Gain search (``gain_search=True``, off by default): the decoder only sees
+``scale * centroids[idx]``, so any index vector may be stored.  The one that
+maximises the cosine with ``u`` (hence minimises the error under either
+scale) is the nearest codeword of ``α u`` for SOME gain ``α`` (it is a vertex
+of the lower convex hull of the points (⟨u, ĉ⟩, ‖ĉ‖²), and ``NN(α u)``
+minimises ``‖ĉ‖² - 2α⟨u, ĉ⟩``); plain quantization fixes ``α = 1``.  Trying
+8 gains in [0.8, 1.25] cuts unit-vector MSE by ~1/5/15% at 2/3/4 bits and
+attention error by 2-30% (most on outlier-heavy keys, see the benchmark),
+at ~5x the quantize time in pure MLX.  Same layout, same decoder.
+
 Norms are float16: 2 bytes per vector (the layout budget the byte counts in
 the issue assume: 116 B/token/KV head at 3.5 bits for d=128), a relative
 precision of 2^-11 that is ~100x below the quantization error even at
@@ -38,6 +48,7 @@ from .packing import pack, packed_words, unpack
 from .rotation import HadamardRotation
 
 _F16_MAX = 65504.0
+_GAINS = tuple(0.8 + 0.45 * i / 7 for i in range(8))  # gain_search candidates
 NORM_MODES = ("preserve", "lsq")
 
 
@@ -68,7 +79,7 @@ class TurboQuantCodec:
 
     def __init__(
         self, dim: int, bits: int, rotation: HadamardRotation | None = None,
-        norm_mode: str = "lsq",
+        norm_mode: str = "lsq", gain_search: bool = False,
     ):
         if rotation is None:
             rotation = HadamardRotation(dim, 0)
@@ -77,13 +88,15 @@ class TurboQuantCodec:
         if norm_mode not in NORM_MODES:
             raise ValueError(f"TurboQuantCodec: norm_mode={norm_mode!r}; choose one of {NORM_MODES}")
         self.dim, self.bits, self.rotation, self.norm_mode = dim, bits, rotation, norm_mode
+        self.gain_search = bool(gain_search)
         self.codebook = codebook(bits, dim)
         self.centroids = self.codebook.centroids_mx()
         self.words = packed_words(dim, bits)
         self._index = _index_fn(list(self.codebook.boundaries))
 
     def __repr__(self) -> str:
-        return f"TurboQuantCodec(dim={self.dim}, bits={self.bits}, norm_mode={self.norm_mode!r})"
+        return (f"TurboQuantCodec(dim={self.dim}, bits={self.bits}, norm_mode={self.norm_mode!r}, "
+                f"gain_search={self.gain_search})")
 
     @property
     def bytes_per_vector(self) -> int:
@@ -101,15 +114,28 @@ class TurboQuantCodec:
         y = y.astype(mx.float32)
         norm = mx.linalg.norm(y, axis=-1)
         u = y / mx.maximum(norm, 1e-30)[..., None]  # zero vector -> u = 0, scale 0
-        idx = self._index(u)
-        c = self.centroids[idx]
-        c_sq = (c * c).sum(axis=-1)  # > 0: no centroid is zero (even count, symmetric)
+        idx, dot, c_sq = self._cell(u, u)
+        if self.gain_search:
+            best = dot * mx.rsqrt(c_sq)
+            for a in _GAINS:
+                i2, d2, s2 = self._cell(u * a, u)
+                cos2 = d2 * mx.rsqrt(s2)
+                better = cos2 > best
+                idx = mx.where(better[..., None], i2, idx)
+                dot, c_sq = mx.where(better, d2, dot), mx.where(better, s2, c_sq)
+                best = mx.maximum(best, cos2)
         if self.norm_mode == "preserve":
             scale = norm * mx.rsqrt(c_sq)
         else:
-            scale = norm * (u * c).sum(axis=-1) / c_sq
+            scale = norm * dot / c_sq
         scale = mx.clip(scale, -_F16_MAX, _F16_MAX).astype(mx.float16)
         return QuantizedVectors(pack(idx, self.bits), scale)
+
+    def _cell(self, v: mx.array, u: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+        """Indices of ``v``'s cells, ⟨u, ĉ⟩ and ‖ĉ‖² (> 0: no centroid is zero)."""
+        idx = self._index(v)
+        c = self.centroids[idx]
+        return idx, (u * c).sum(axis=-1), (c * c).sum(axis=-1)
 
     def dequantize_rotated(self, packed: mx.array, norms: mx.array) -> mx.array:
         """float32 [..., dim] reconstruction in the rotated domain."""
