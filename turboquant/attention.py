@@ -116,6 +116,36 @@ def _split_mask(mask: Mask, L: int, n_packed: int, n_window: int):
     )
 
 
+def _block_step(kb: int, vb: int, D: int, Dv: int):
+    """One online-softmax step over one block of packed tokens.
+
+    ``(q_rot, key words, key norms, value words, value norms, m, s, acc,
+    mask)`` -> ``(m, s, acc)``; ``mask`` is None or broadcasts against the
+    scores viewed as [B, H_kv, G, L, T] (``G``/``L`` come from its shape).
+    """
+
+    def step(q_rot, kw, kn, vw, vn, m, s, acc, mask=None):
+        scores = (q_rot @ _codes(kw, kb, D).swapaxes(-1, -2)) * kn.astype(mx.float32)[:, :, None, :]
+        if mask is not None:
+            B, H, M, T = scores.shape
+            L = mask.shape[-2]
+            scores = _apply(scores.reshape(B, H, M // L, L, T), mask).reshape(B, H, M, T)
+        m_new = mx.maximum(m, scores.max(axis=-1, keepdims=True))
+        p = mx.exp(scores - m_new)
+        corr = mx.exp(m - m_new)
+        s = s * corr + p.sum(axis=-1, keepdims=True)
+        acc = acc * corr + (p * vn.astype(mx.float32)[:, :, None, :]) @ _codes(vw, vb, Dv)
+        return m_new, s, acc
+
+    return step
+
+
+@lru_cache(maxsize=None)
+def _compiled_step(kb: int, vb: int, D: int, Dv: int):
+    """The unmasked step compiled (fixed block shape: ~10% faster decode)."""
+    return mx.compile(_block_step(kb, vb, D, Dv))
+
+
 def _packed_part(q_rot: mx.array, cache, packed_mask: Optional[mx.array], G: int, L: int):
     """Online softmax over packed history.  q_rot [B, H_kv, G*L, D] (scaled).
 
@@ -131,20 +161,19 @@ def _packed_part(q_rot: mx.array, cache, packed_mask: Optional[mx.array], G: int
     P = cache.packed_len
     # one block holds codes [T, D] and scores [M, T] per kv head
     block = max(64, min(BLOCK, BLOCK_ELEMENTS // (B * H_kv * max(D, Dv, M))))
+    step, fast = _block_step(kb, vb, D, Dv), _compiled_step(kb, vb, D, Dv)
     for a in range(0, P, block):
         e = min(P, a + block)
-        k_norms = cache.keys_norms[:, :, a:e].astype(mx.float32)[:, :, None, :]
-        scores = (q_rot @ _codes(cache.keys_packed[:, :, a:e], kb, D).swapaxes(-1, -2)) * k_norms
+        args = (
+            q_rot, cache.keys_packed[:, :, a:e], cache.keys_norms[:, :, a:e],
+            cache.values_packed[:, :, a:e], cache.values_norms[:, :, a:e], m, s, acc,
+        )
         if packed_mask is not None:
-            scores = scores.reshape(B, H_kv, G, L, e - a)
-            scores = _apply(scores, packed_mask[..., a:e]).reshape(B, H_kv, M, e - a)
-        m_new = mx.maximum(m, scores.max(axis=-1, keepdims=True))
-        p = mx.exp(scores - m_new)
-        corr = mx.exp(m - m_new)
-        s = s * corr + p.sum(axis=-1, keepdims=True)
-        v_norms = cache.values_norms[:, :, a:e].astype(mx.float32)[:, :, None, :]
-        acc = acc * corr + (p * v_norms) @ _codes(cache.values_packed[:, :, a:e], vb, Dv)
-        m = m_new
+            m, s, acc = step(*args, packed_mask[..., a:e])
+        elif e - a == block:  # full blocks share one compiled shape
+            m, s, acc = fast(*args)
+        else:
+            m, s, acc = step(*args)
         if e < P:
             # MLX would otherwise schedule every block's decode at once (the
             # blocks are independent until the merge): evaluating here keeps
