@@ -25,6 +25,11 @@ Storage grows geometrically (x1.5, rounded up to ``step`` tokens) or exactly
 to ``reserve(n)``, so appending ``n`` tokens costs O(n) copies in total.
 There is deliberately no attribute called ``bits``: mlx-lm sends any cache
 with ``bits`` to its affine quantized attention.
+
+Masks from ``make_mask`` cover the columns ``update_and_fetch`` returns (the
+window): the packed history precedes every query, so causal attention sees
+all of it.  ``state`` is eight arrays (None where empty) followed by eight
+meta strings, because mlx-lm's ``save_prompt_cache`` saves ``state`` only.
 """
 
 from __future__ import annotations
@@ -39,16 +44,6 @@ from .codec import TurboQuantCodec
 from .packing import packed_words
 from .rotation import HadamardRotation
 from .widths import resolve_bits
-
-_DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
-
-
-def _dtype_name(dtype: mx.Dtype) -> str:
-    for name, d in _DTYPES.items():
-        if d == dtype:
-            return name
-    raise ValueError(f"TurboQuantKVCache: unsupported model dtype {dtype}")
-
 
 class TurboQuantKVCache(_BaseCache):
     """mlx-lm/mlx-vlm KV cache with TurboQuant-compressed history.
