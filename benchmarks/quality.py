@@ -288,6 +288,9 @@ def run_prompt(model: Any, tokenizer: Any, config: CacheConfig, prompt: NeedlePr
     """
     t0 = time.perf_counter()
     cache = config.build(model)
+    for c in cache:  # as the engine does: our cache sized once, no geometric over-allocation
+        if hasattr(c, "reserve"):
+            c.reserve(len(prompt.ids) + max(continuation, answer_tokens))
     first = prefill(model, cache, prompt.ids, chunk)
     mx.eval(first)
     if reference is None:
