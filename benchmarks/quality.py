@@ -197,6 +197,8 @@ def prefill(model: Any, cache: list, ids: Sequence[int], chunk: int) -> mx.array
     Non-final chunks go through the backbone only (no LM head), as in
     ``pipeline.engine``.
     """
+    if not ids:
+        raise ValueError("benchmarks.quality.prefill: empty prompt")
     x = mx.array(list(ids), dtype=mx.int32)[None]
     n = x.shape[1]
     for start in range(0, n, chunk):
