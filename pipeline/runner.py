@@ -198,6 +198,8 @@ def _ok_record(job, ref, digest, task, key, result, prompt, doc, model_name, con
     if task.format == "json":
         p = parse_json_output(result.text)
         parsed, parse_error = p.value, p.error
+        if parse_error and result.finish_reason == "length":
+            parse_error += f" (the answer hit max_tokens={task.max_tokens} and may be cut off)"
         if p.ok:
             extra["missing_fields"] = missing_fields(p.value, task.fields)
             extra["citations"] = check_citations(cited_pages(p.value), prompt.included_pages)

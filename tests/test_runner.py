@@ -249,6 +249,10 @@ def test_json_record_checks_cited_pages_and_fields():
     bad = _ok_record(job, ref, "sha256:ab", task, "sha256:ab/f/0123",
                      TaskResult(**{**result.__dict__, "text": '{"total": 12'}), prompt, None, "m")
     assert bad["status"] == "ok" and bad["parsed"] is None and "invalid JSON" in bad["parse_error"]
+    assert "max_tokens" not in bad["parse_error"]
+    cut = _ok_record(job, ref, "sha256:ab", task, "sha256:ab/f/0123",
+                     TaskResult(**{**result.__dict__, "text": '{"total": 12', "finish_reason": "length"}), prompt, None, "m")
+    assert cut["parse_error"].endswith("(the answer hit max_tokens=256 and may be cut off)")
 
 
 def test_context_is_capped_at_the_models_own_limit(tmp_path, docs, tiny_vlm_dir, monkeypatch):
