@@ -35,7 +35,6 @@ from pipeline.ray_engine import (  # noqa: E402
     RayRun,
     WorkItem,
     _process_document,
-    run_job_on_ray,
 )
 from pipeline.records import make_record  # noqa: E402
 from pipeline.samples import make_text_pdf  # noqa: E402
@@ -46,7 +45,7 @@ TESTS_DIR = Path(__file__).resolve().parent
 @pytest.fixture(scope="module")
 def cluster(smollm2_dir):
     """A local head with 2 CPUs; workers inherit PYTHONPATH and TQPIPE_HOME."""
-    assert not ray.is_initialized()
+    assert not ray.is_initialized(), "another test left Ray running; this module needs its own cluster"
     old = os.environ.get("PYTHONPATH")
     os.environ["PYTHONPATH"] = os.pathsep.join([str(TESTS_DIR)] + ([old] if old else []))
     ray.init(num_cpus=2, include_dashboard=False, object_store_memory=100 * 2**20, log_to_driver=False)
