@@ -72,7 +72,7 @@ class Config:
     notes: list[str] = field(default_factory=list)
 
 
-QUICK = dict(quality_tokens=1024, contexts=(1024, 4096), reps=3, n_queries=16, mse_vectors=2048,
+QUICK = dict(quality_tokens=512, contexts=(1024, 4096), reps=3, n_queries=8, mse_vectors=2048,
              affine_max_context=1024)
 
 
