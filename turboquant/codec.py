@@ -27,8 +27,8 @@ maximises the cosine with ``u`` (hence minimises the error under either
 scale) is the nearest codeword of ``α u`` for SOME gain ``α`` (it is a vertex
 of the lower convex hull of the points (⟨u, ĉ⟩, ‖ĉ‖²), and ``NN(α u)``
 minimises ``‖ĉ‖² - 2α⟨u, ĉ⟩``); plain quantization fixes ``α = 1``.  Trying
-8 gains in [0.8, 1.25] cuts unit-vector MSE by ~1/5/15% at 2/3/4 bits and
-attention error by 2-30% (most on outlier-heavy keys, see the benchmark),
+8 gains in [0.8, 1.25] cuts unit-vector MSE by ~1/5/14% at 2/3/4 bits and
+attention error by 1-25% (most on outlier-heavy keys, see the benchmark),
 at ~5x the quantize time in pure MLX.  Same layout, same decoder.
 
 Norms are float16: 2 bytes per vector (the layout budget the byte counts in
