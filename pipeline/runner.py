@@ -24,6 +24,9 @@ every record names the model that actually ran.
 from __future__ import annotations
 
 import logging
+import resource
+import sys
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
 
@@ -152,6 +155,22 @@ def needs_images(doc: Document) -> bool:
     return any(p.image is not None for p in doc.pages)
 
 
+def max_rss_bytes() -> int:
+    """This process's peak resident set size so far (``ru_maxrss``: KiB on Linux, bytes on macOS)."""
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(rss if sys.platform == "darwin" else rss * 1024)
+
+
+def memory_record() -> dict:
+    """Peak memory for the record: MLX's peak since the document started (the
+    runner resets it before each document, so this is the document's own
+    working set: weights, cache, prefill temporaries) and the process max RSS
+    (never resets: it includes earlier documents and everything Python holds)."""
+    import mlx.core as mx
+
+    return {"mx_peak_bytes": int(mx.get_peak_memory()), "max_rss_bytes": max_rss_bytes()}
+
+
 # -- one document -------------------------------------------------------------
 
 
@@ -192,9 +211,9 @@ def _error_records(job, ref, digest, tasks, keys, exc, stage, **fields) -> Itera
         )
 
 
-def _ok_record(job, ref, digest, task, key, result, prompt, doc, model_name, config=None) -> dict:
+def _ok_record(job, ref, digest, task, key, result, prompt, doc, model_name, config=None, ingest_s=None) -> dict:
     parsed = parse_error = None
-    extra: dict = {"finish_reason": result.finish_reason}
+    extra: dict = {"finish_reason": result.finish_reason, "memory": memory_record()}
     if task.format == "json":
         p = parse_json_output(result.text)
         parsed, parse_error = p.value, p.error
@@ -214,7 +233,7 @@ def _ok_record(job, ref, digest, task, key, result, prompt, doc, model_name, con
         parsed=parsed,
         parse_error=parse_error,
         tokens=result.tokens,
-        timing=result.timing,
+        timing=result.timing if ingest_s is None else {"ingest_s": round(ingest_s, 4), **result.timing},
         cache=result.cache,
         model=model_name,
         context=_context_record(job, prompt, doc, config),
@@ -253,11 +272,14 @@ def process_document(
         yield from _error_records(job, ref, digest, tasks, keys, IngestError(ref.source, str(e)), "ingest")
         return
     keys = task_keys(job, digest, tasks)
+    _reset_peak_memory()
+    t0 = time.perf_counter()
     try:
         doc = ingest(ref, job.spec.context)
     except (IngestError, OSError) as e:
         yield from _error_records(job, ref, digest, tasks, keys, e, "ingest")
         return
+    ingest_s = time.perf_counter() - t0
     pending = list(tasks)
     stage, model_name, prompt, config = "model", None, None, None
     try:
@@ -273,7 +295,8 @@ def process_document(
         stage = "prefill"
         for result in engine.iter_process(prompt, tasks, on_prefill=on_prefill, on_token=on_token):
             task = pending.pop(0)
-            yield _ok_record(job, ref, digest, task, keys[task.name], result, prompt, doc, model_name, loaded.config)
+            yield _ok_record(job, ref, digest, task, keys[task.name], result, prompt, doc, model_name, loaded.config,
+                             ingest_s)
             stage = "decode"
     except (KeyboardInterrupt, SystemExit):
         raise
@@ -286,6 +309,12 @@ def process_document(
             context=_context_record(job, prompt, doc, config),
             pages=prompt.pages_record() if prompt is not None else None,
         )
+
+
+def _reset_peak_memory() -> None:
+    import mlx.core as mx
+
+    mx.reset_peak_memory()
 
 
 # -- dry run ------------------------------------------------------------------
@@ -457,12 +486,14 @@ def _run_document(engines, job, ref, todo, pages, digest, log, summary, progress
     if failed:
         summary.failed_documents.append(ref.doc_id)
     if ok:  # one plain line per document, terminal or cron
-        t = ok[0]["timing"]
+        t, mem = ok[0]["timing"], ok[-1]["memory"]
         logger.info(
-            "%s: %d tokens prefilled in %.1f s, %d tasks, %d tokens generated in %.1f s, KV cache %.1f MiB (%s)",
+            "%s: %d tokens prefilled in %.1f s, %d tasks, %d tokens generated in %.1f s, KV cache %.1f MiB (%s), "
+            "peak memory %.0f MiB MLX / %.0f MiB max RSS",
             ref.doc_id, ok[0]["tokens"]["document"], t["prefill_s"], len(ok),
             sum(r["tokens"]["generated"] for r in ok), sum(r["timing"]["decode_s"] for r in ok),
             ok[0]["cache"]["nbytes_after_prefill"] / 2**20, ok[0]["cache"]["scheme"],
+            mem["mx_peak_bytes"] / 2**20, mem["max_rss_bytes"] / 2**20,
         )
 
 
