@@ -175,8 +175,14 @@ class Job:
         return Path(os.path.normpath(p if p.is_absolute() else self.base_dir / p))
 
 
-def load_job(path: str | Path) -> Job:
-    """Read, validate and check a job file; raise :class:`JobFileError` on any problem."""
+def load_job(path: str | Path, *, check_inputs: bool = True) -> Job:
+    """Read, validate and check a job file; raise :class:`JobFileError` on any problem.
+
+    ``check_inputs=False`` skips only the "every input matches something"
+    check, for ``tqpipe watch``: its documents come from the inbox, so an
+    empty (or not yet created) inputs folder is normal there.  Schema,
+    output and model checks still apply.
+    """
     path = Path(path)
     shown = str(path)
     if not path.is_file():
@@ -201,7 +207,7 @@ def load_job(path: str | Path) -> Job:
         key, problem = _first_problem(e)
         raise JobFileError(shown, key, problem) from None
     job = Job(spec=spec, path=path.resolve(), base_dir=path.resolve().parent)
-    _check_filesystem(job, shown)
+    _check_filesystem(job, shown, check_inputs=check_inputs)
     return job
 
 
@@ -210,7 +216,7 @@ def load_job(path: str | Path) -> Job:
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
-def _check_filesystem(job: Job, shown: str) -> None:
+def _check_filesystem(job: Job, shown: str, *, check_inputs: bool = True) -> None:
     from .ingest import expand_input  # lazy: ingest imports this module
 
     for i, item in enumerate(job.spec.inputs):
@@ -219,7 +225,7 @@ def _check_filesystem(job: Job, shown: str) -> None:
             refs = expand_input(job, item)
         except JobFileError as e:
             raise JobFileError(shown, key, e.problem) from None
-        if not refs:
+        if not refs and check_inputs:
             raw = _raw(item)
             if any(c in raw for c in "*?[") or job.resolve(raw).exists():
                 raise JobFileError(shown, key, f"{raw!r} matches no PDF or image files")
