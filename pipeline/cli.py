@@ -48,12 +48,12 @@ def _fail(message: str, code: int) -> None:
     sys.exit(code)
 
 
-def _load(job_path: str, pages: str | None = None):
+def _load(job_path: str, pages: str | None = None, *, check_inputs: bool = True):
     """Load and check the job (exit 2 with one clear line on any problem)."""
     from .jobs import load_job
 
     try:
-        job = load_job(job_path)
+        job = load_job(job_path, check_inputs=check_inputs)
         if pages is not None:
             from .pages import parse_page_ranges
 
@@ -87,10 +87,12 @@ def _verbose_option(f):
 @click.option("--dry-run", is_flag=True, help="Ingest and tokenize only: per document pages, tokens, images, whether it fits. Loads no model, writes nothing.")
 @click.option("--retry-failed", is_flag=True, help="Run again (document, task) pairs recorded as failed.")
 @click.option("--engine", type=click.Choice(["local", "ray"]), default=None, help="Override the job's engine.kind.")
+@click.option("--address", default=None, help="Ray: cluster address ('auto', 'ray://host:10001'); overrides engine.address.")
+@click.option("--workers", type=click.IntRange(min=1), default=None, help="Ray: worker actors; overrides engine.workers.")
 @click.option("--no-progress", is_flag=True, help="No progress bars or progress log lines.")
 @_verbose_option
 def run(job_file: str, pages: str | None, dry_run: bool, retry_failed: bool, engine: str | None,
-        no_progress: bool, verbose: bool) -> None:
+        address: str | None, workers: int | None, no_progress: bool, verbose: bool) -> None:
     """Process every document of JOB not yet in its results file.
 
     Progress: tqdm bars on a terminal, plain log lines otherwise (cron).
@@ -100,11 +102,17 @@ def run(job_file: str, pages: str | None, dry_run: bool, retry_failed: bool, eng
     configure_logging(verbose)
     job = _load(job_file, pages)
     kind = engine or job.spec.engine.kind
+    if kind != "ray" and (address is not None or workers is not None):
+        # Silently ignoring them would run a cluster-sized job on one machine.
+        flags = " and ".join(f for f, v in (("--address", address), ("--workers", workers)) if v is not None)
+        _fail(f"{flags} only apply to the Ray engine; add --engine ray (or set engine.kind: ray in {job_file})",
+              EXIT_USAGE)
     try:
         if kind == "ray" and not dry_run:
             from . import ray_engine  # imported only when asked: Ray is heavy
 
-            summary = ray_engine.run_job_on_ray(job, retry_failed=retry_failed, pages=pages, progress=not no_progress)
+            summary = ray_engine.run_job_on_ray(job, address=address, workers=workers, retry_failed=retry_failed,
+                                                pages=pages, progress=not no_progress)
         else:
             from .runner import run_job
 
@@ -140,7 +148,10 @@ def watch(inbox: str, job_file: str, settle: float, poll: float, pages: str | No
 
     A file is read once its size has stopped changing for --settle seconds.
     Results are appended to the job's output; a ledger next to it
-    (<output>.inbox.jsonl) remembers handled files across restarts.
+    (<output>.inbox.jsonl) remembers handled files across restarts.  The
+    job's own ``inputs:`` may match nothing: the documents come from INBOX.
+    A file that is no document (``notes.txt``) is reported by name once and
+    recorded as failed in the ledger, not silently ignored.
     """
     from .ingest import expand_input
     from .progress import configure_logging
@@ -148,18 +159,27 @@ def watch(inbox: str, job_file: str, settle: float, poll: float, pages: str | No
     from .watch import InboxWatcher
 
     configure_logging(verbose)
-    job = _load(job_file, pages)
+    job = _load(job_file, pages, check_inputs=False)
     engines = Engines(job)  # one model load for the whole watch session
 
+    ours = job.output_path.name  # results file (and its .lock, .inbox.jsonl) if the output lives in INBOX
+
     def handle(path: Path) -> str:
-        refs = expand_input(job, str(path))
+        if path.parent.resolve() == job.output_path.parent and path.name.startswith(ours):
+            return "ignored"
+        try:
+            refs = expand_input(job, str(path))
+        except JobFileError:  # "neither a PDF nor an image": the dropped file's fault, not the job file's
+            refs = []
         if not refs:
-            raise TqpipeError(f"{path}: not a PDF, image or image folder")
+            raise TqpipeError(f"{path}: not a PDF, an image or a folder of images; skipped")
         summary = run_job(job, refs=refs, pages=pages, engines=engines, progress=False, echo=click.echo)
         return "failed" if summary.failed else "ok"
 
     ledger = job.output_path.with_name(job.output_path.name + ".inbox.jsonl")
-    watcher = InboxWatcher(Path(inbox), ledger, settle_seconds=settle, poll_seconds=poll)
+    # Offer every settled file (temporary names still excluded) so a stray
+    # notes.txt gets a message naming it instead of vanishing without a word.
+    watcher = InboxWatcher(Path(inbox), ledger, settle_seconds=settle, poll_seconds=poll, patterns=("*",))
     try:
         watcher.run(handle, max_iterations=max_polls)
     except LockHeldError as e:
