@@ -162,11 +162,11 @@ def watch(inbox: str, job_file: str, settle: float, poll: float, pages: str | No
     job = _load(job_file, pages, check_inputs=False)
     engines = Engines(job)  # one model load for the whole watch session
 
-    ours = job.output_path.name  # results file (and its .lock, .inbox.jsonl) if the output lives in INBOX
+    out_dir, ours = job.output_path.resolve().parent, job.output_path.name
 
     def handle(path: Path) -> str:
-        if path.parent.resolve() == job.output_path.parent and path.name.startswith(ours):
-            return "ignored"
+        if path.resolve().parent == out_dir and path.name.startswith(ours):
+            return "ignored"  # our own results file (or its .lock) when the output lives in INBOX
         try:
             refs = expand_input(job, str(path))
         except JobFileError:  # "neither a PDF nor an image": the dropped file's fault, not the job file's

@@ -151,3 +151,20 @@ def test_records_carry_peak_memory_and_ingest_time(tmp_path, tiny_vlm_dir, caplo
     assert rec["timing"]["ingest_s"] > 0 and rec["timing"]["prefill_s"] > 0
     line = next(m.getMessage() for m in caplog.records if "tokens prefilled" in m.getMessage())
     assert f"{mem['mx_peak_bytes'] / 2**20:.0f} MiB MLX" in line and "max RSS" in line
+
+
+def test_watch_ignores_its_own_results_file_in_the_inbox(tmp_path, tiny_vlm_dir, caplog):
+    (tmp_path / "docs").mkdir()
+    job = write_job(tmp_path, tiny_vlm_dir)
+    job.write_text(job.read_text().replace("output: out/results.jsonl", "output: inbox/results.jsonl"))
+    inbox = tmp_path / "inbox"
+    inbox.mkdir()
+    make_text_pdf(inbox / "a.pdf", ["A page."])
+    args = ["watch", str(inbox), "--job", str(job), "--settle", "0", "--poll", "0.05", "--max-polls", "6"]
+    with caplog.at_level(logging.INFO):
+        r = CliRunner().invoke(main, args)
+    assert r.exit_code == 0, r.output
+    assert [x["status"] for x in lines(inbox / "results.jsonl")] == ["ok"]
+    assert not [m.getMessage() for m in caplog.records if m.levelno >= logging.ERROR]
+    ledger = {e["path"]: e["status"] for e in lines(inbox / "results.jsonl.inbox.jsonl")}
+    assert ledger["a.pdf"] == "ok" and ledger.get("results.jsonl") == "ignored"
