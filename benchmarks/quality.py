@@ -217,6 +217,13 @@ def step(model: Any, cache: list, token: int) -> mx.array:
     return model(mx.array([[token]], dtype=mx.int32), cache=cache)[0, -1].astype(mx.float32)
 
 
+def _kv_bytes(cache: list) -> int:
+    """Bytes holding the cached tokens: ours' ``used_nbytes`` (its reserved
+    capacity is not data), mlx-vlm's ``nbytes`` (already just the tokens held),
+    mlx-lm's allocated ``nbytes`` (256-token steps)."""
+    return int(sum(getattr(c, "used_nbytes", None) or c.nbytes for c in cache))
+
+
 def _snapshot(cache: list) -> tuple[int, list]:
     return cache[0].offset, [
         {a: getattr(c, a) for a in _WINDOW_ATTRS} if hasattr(c, "packed_len") else None for c in cache
@@ -298,11 +305,11 @@ def run_prompt(model: Any, tokenizer: Any, config: CacheConfig, prompt: NeedlePr
     if reference is None:
         reference, logprobs = greedy(model, cache, first, max(continuation, answer_tokens), eos)
         answer = reference[:answer_tokens]
-        kv_bytes = sum(c.nbytes for c in cache)
+        kv_bytes = _kv_bytes(cache)
     else:
         snap = _snapshot(cache)
         logprobs = teacher_forced(model, cache, first, reference)
-        kv_bytes = sum(c.nbytes for c in cache)
+        kv_bytes = _kv_bytes(cache)
         pred = mx.argmax(logprobs, axis=-1).tolist()
         agree = next((i for i, (a, b) in enumerate(zip(pred, reference)) if a != b), len(reference))
         answer = list(reference[:answer_tokens])
