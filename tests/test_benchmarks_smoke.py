@@ -131,6 +131,10 @@ def test_evaluate_fp16_against_itself_and_quantized(tiny_lm):
         r = res[label]
         assert 1e-6 < r.kl < 10 and 0.0 <= r.top1 <= 1.0, label
         assert 0 < r.kv_bytes < ref.kv_bytes, label
+    # same widths, same token count: ours at window 0 holds what mlx-vlm holds
+    # (+ centring means and the last token exact), not its reserved capacity
+    ours, peer = res["ours 2.5, window 0"].kv_bytes, res["mlx-vlm 2.5"].kv_bytes
+    assert abs(ours - peer) / peer < 0.1
     assert "|" in quality.format_table(list(res.values()))
 
 
