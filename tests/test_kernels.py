@@ -329,3 +329,33 @@ def test_attention_matches_reference_path(monkeypatch, kv_bits, L):
     # on NVIDIA: measured 4-5e-4 apart on the H200.  The packed-history part
     # alone is checked to 2e-5 against float64 in test_decode_matches_reference.
     assert _rel(out, ref) < 2e-3
+
+
+def test_prefill_never_holds_more_than_the_dequant_limit(monkeypatch):
+    """Past TQ_PREFILL_DEQUANT_MB the GPU prefill goes blockwise (reference
+    path) instead of dequantizing the whole history: no whole-cache temporary
+    on any path.  Kernels replaced by MLX ops so the dispatch runs on CPU."""
+    from turboquant import attention
+
+    monkeypatch.setattr(kernels, "decode", _fake_decode)
+    monkeypatch.setattr(kernels, "use_kernels", lambda: True)
+    calls = []
+    monkeypatch.setattr(kernels, "dequantize", lambda *a, **k: calls.append(1) or _fake_dequant(*a, **k))
+    d, h_kv, g, L = 64, 2, 4, 32
+    cache = _filled_cache(3.5, d, h_kv, 300)
+    k = mx.random.normal((1, h_kv, L, d))
+    wk, wv = cache.update_and_fetch(k, k * 0.5)
+    q = mx.random.normal((1, h_kv * g, L, d))
+    need = kernels.prefill_dequant_bytes(q, wk, cache)
+    assert need == 2 * 2 * h_kv * (cache.packed_len + wk.shape[2]) * d * 4
+
+    monkeypatch.setenv("TQ_PREFILL_DEQUANT_MB", str(need / 2**20))  # fits exactly
+    fast = kernels.turboquant_attention(q, wk, wv, cache, d**-0.5, "causal")
+    assert len(calls) == 2  # keys and values dequantized once each
+
+    monkeypatch.setenv("TQ_PREFILL_DEQUANT_MB", str((need - 1) / 2**20))  # one byte short
+    bounded = kernels.turboquant_attention(q, wk, wv, cache, d**-0.5, "causal")
+    assert len(calls) == 2  # no further whole-history dequantize
+    ref = attention.turboquant_attention(q, wk, wv, cache, d**-0.5, "causal")
+    assert mx.array_equal(bounded, ref)
+    assert _rel(fast, ref) < 1e-5

@@ -465,6 +465,26 @@ def prefill_rows() -> int:
     return int(os.environ.get("TQ_PREFILL_ROWS", 16))
 
 
+def prefill_dequant_limit() -> int:
+    """Largest temporary (bytes) the dequantize + SDPA prefill path may hold.
+
+    That path materialises one layer's history in the model dtype (keys and
+    values, then once more joined with the window).  Up to this size it is
+    the fast path (1.05x fp16 prefill at 128k tokens on the H200); past it the
+    blockwise reference path runs instead, whose extra memory is one block,
+    so no call ever holds a whole-cache temporary.  ``TQ_PREFILL_DEQUANT_MB``
+    sets it (default 256 MiB: 64k tokens x 8 kv heads x d=128 in fp16).
+    """
+    return int(float(os.environ.get("TQ_PREFILL_DEQUANT_MB", 256)) * 2**20)
+
+
+def prefill_dequant_bytes(queries: mx.array, window_keys: mx.array, cache) -> int:
+    """Bytes of the dequantized [history; window] keys + values, twice (concat)."""
+    B, H_kv, W, D = window_keys.shape
+    itemsize = queries.dtype.size
+    return 2 * 2 * B * H_kv * (cache.packed_len + W) * D * itemsize
+
+
 def turboquant_attention(
     queries: mx.array, window_keys: mx.array, window_values: mx.array, cache,
     scale: float, mask=None, sinks: Optional[mx.array] = None,
@@ -473,7 +493,8 @@ def turboquant_attention(
 
     Few query rows per kv head (decode) run the split-K kernel; many rows
     (prefill chunks) or a mask that reaches into the packed history run
-    dequantize + SDPA.  Falls back to the reference path when the kernels are
+    dequantize + SDPA while its temporary fits ``prefill_dequant_limit()``,
+    and the blockwise reference path beyond that.  Falls back to the reference path when the kernels are
     off (``TQ_KERNELS``), there is no packed history, or the shape is not
     covered.
     """
@@ -488,6 +509,10 @@ def turboquant_attention(
     packed_mask, window_mask = attention._split_mask(mask, L, cache.packed_len, W)
     rows = (H_q // H_kv) * L
     if packed_mask is not None or rows > prefill_rows() or decode_config(D, rows, B * H_kv, 1) is None:
+        if prefill_dequant_bytes(queries, window_keys, cache) > prefill_dequant_limit():
+            return attention.turboquant_attention(
+                queries, window_keys, window_values, cache, scale, mask, sinks
+            )
         return _prefill_attention(queries, window_keys, window_values, cache, scale, mask)
     if window_mask is not None:
         window_mask = attention._as_5d(window_mask, B, H_kv, H_q // H_kv)
