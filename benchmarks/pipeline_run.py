@@ -9,8 +9,8 @@ vs ``turboquant`` at ``--kv-bits``), and runs ``tqpipe run`` on each in a
 SUBPROCESS: a fresh process per cache, so peak memory is that run's own and
 not left over from the other.  The built-in SmolLM2-135M-Instruct reads the
 document with ``context.max_tokens`` = its trained limit (8192) and
-``overflow: truncate``, so a 300-page document (~200k tokens) is cut to its
-first pages and the record says how much was dropped.
+``overflow: truncate``, so a 300-page document is cut to its
+first 19 pages (of ~132k tokens) and the record says how much was dropped.
 
 Where each number comes from (all from the run itself, nothing re-timed):
 
