@@ -114,6 +114,22 @@ def test_supports_quantize():
     assert not kernels.supports_quantize(TurboQuantCodec(96, 3, HadamardRotation(96, 1)))
     assert kernels.supports_quantize(TurboQuantCodec(128, 3, norm_mode="lsq"))
     assert kernels.supports_quantize(TurboQuantCodec(128, 3, norm_mode="preserve"))
+    # The kernel has no gain search: such a codec must keep the reference path.
+    assert not kernels.supports_quantize(TurboQuantCodec(128, 3, gain_search=True))
+
+
+def test_cache_flush_goes_through_the_quantize_hook(monkeypatch):
+    """The cache quantizes via kernels.quantize_any (the fused kernel on a GPU)."""
+    from turboquant.cache import TurboQuantKVCache
+
+    seen = []
+    real = kernels.quantize_any
+    monkeypatch.setattr(kernels, "quantize_any", lambda x, codec: seen.append(codec.bits) or real(x, codec))
+    cache = TurboQuantKVCache(kv_bits=3.5, window=4)
+    k = mx.random.normal((1, 2, 10, 64))
+    cache.update_and_fetch(k, k)
+    cache.update_and_fetch(k[:, :, :1], k[:, :, :1])
+    assert cache.packed_len == 6 and seen == [3, 4]
 
 
 def test_reference_fallback_on_cpu(monkeypatch):
@@ -144,6 +160,10 @@ def _fake_decode(q_rot, kp, kn, vp, vn, ck, cv, n, bk, bv):
     return mx.exp(s - lse[..., None]) @ V, lse
 
 
+def _codec_quantize(x, codec):
+    return tuple(codec.quantize(x))
+
+
 def _fake_dequant(packed, norms, c, n, bits, dim, dtype=mx.float16, mean_rot=None):
     x = c[unpack(packed[:, :, :n], bits, dim).astype(mx.uint32)] * norms[:, :, :n, None].astype(mx.float32)
     if mean_rot is not None:
@@ -161,6 +181,7 @@ def test_glue_matches_reference_on_cpu(monkeypatch, L, mask):
     monkeypatch.setattr(kernels, "decode", _fake_decode)
     monkeypatch.setattr(kernels, "dequantize", _fake_dequant)
     monkeypatch.setattr(kernels, "use_kernels", lambda: True)
+    monkeypatch.setattr(kernels, "quantize_any", _codec_quantize)  # no GPU to append with
     d, h_kv, g = 64, 2, 4
     cache = _filled_cache(3.5, d, h_kv, 300)
     k = mx.random.normal((1, h_kv, L, d))
@@ -339,6 +360,7 @@ def test_prefill_never_holds_more_than_the_dequant_limit(monkeypatch):
 
     monkeypatch.setattr(kernels, "decode", _fake_decode)
     monkeypatch.setattr(kernels, "use_kernels", lambda: True)
+    monkeypatch.setattr(kernels, "quantize_any", _codec_quantize)  # no GPU to append with
     calls = []
     monkeypatch.setattr(kernels, "dequantize", lambda *a, **k: calls.append(1) or _fake_dequant(*a, **k))
     d, h_kv, g, L = 64, 2, 4, 32

@@ -306,6 +306,7 @@ def supports_quantize(codec) -> bool:
     d = codec.dim
     return (
         getattr(codec, "norm_mode", "preserve") in ("preserve", "lsq")
+        and not getattr(codec, "gain_search", False)  # the kernel has no gain search
         and codec.rotation.uses_hadamard and 32 <= d <= 1024 and (d & (d - 1)) == 0
     )
 
