@@ -474,7 +474,8 @@ def prefill_dequant_limit() -> int:
     the fast path (1.05x fp16 prefill at 128k tokens on the H200); past it the
     blockwise reference path runs instead, whose extra memory is one block,
     so no call ever holds a whole-cache temporary.  ``TQ_PREFILL_DEQUANT_MB``
-    sets it (default 256 MiB: 64k tokens x 8 kv heads x d=128 in fp16).
+    sets it (default 256 MiB: 32k tokens x 8 kv heads x d=128 in fp16, keys
+    and values, counting the concatenated copy).
     """
     return int(float(os.environ.get("TQ_PREFILL_DEQUANT_MB", 256)) * 2**20)
 
