@@ -6,7 +6,7 @@ domain is ``scale * centroids[idx]``; attention can stay there because ``R``
 is orthonormal (rotate the query once instead of every key).
 
 Scale (``norm_mode``), both measured by ``python -m turboquant.bench`` on
-the same keys/values (docs/bench-turboquant.md):
+the same keys/values (docs/benchmarks.md, TurboQuant section):
 - ``"lsq"`` (default): ``‖x‖ ⟨u, ĉ⟩ / ‖ĉ‖²`` with ``ĉ = centroids[idx]``,
   the least-squares scale: the smallest reconstruction error.
 - ``"preserve"``: ``‖x‖ / ‖ĉ‖``, so the reconstruction has exactly ``‖x‖``.

@@ -149,7 +149,7 @@ def decode_config(d: int, rows: int, b_hkv: int, n: int) -> Optional[dict]:
     registers) near 64; ``D / DPT`` lanes share a token and must divide the
     32-lane warp.  Splits target a few waves of threadgroups over the GPU
     (``TQ_DECODE_BLOCKS``, default 264 = 2 x 132 H200 SMs; measured best of
-    264/528/1056 at 512k tokens, with DPT=16, U=4, NW=8 -- docs/bench-gpu.md).
+    264/528/1056 at 512k tokens, with DPT=16, U=4, NW=8 -- docs/benchmarks.md, GPU section).
     """
     dpt = int(os.environ.get("TQ_DECODE_DPT", 0)) or (16 if rows <= 4 else 8 if rows <= 8 else 4)
     dpt = max(dpt, d // 32)
