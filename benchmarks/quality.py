@@ -188,7 +188,6 @@ def route_peer_attention() -> None:
 
 
 # ----------------------------------------------------------------- running
-_WINDOW_ATTRS = ("offset", "packed_len", "window_keys", "window_values", "key_mean", "value_mean")
 
 
 def prefill(model: Any, cache: list, ids: Sequence[int], chunk: int) -> mx.array:
@@ -225,18 +224,17 @@ def _kv_bytes(cache: list) -> int:
 
 
 def _snapshot(cache: list) -> tuple[int, list]:
-    return cache[0].offset, [
-        {a: getattr(c, a) for a in _WINDOW_ATTRS} if hasattr(c, "packed_len") else None for c in cache
-    ]
+    return cache[0].offset, [c.checkpoint() if hasattr(c, "checkpoint") else None for c in cache]
 
 
 def _rewind(cache: list, snap: tuple[int, list]) -> None:
-    """Back to the snapshot: trim, and restore our cache's exact window (see engine)."""
+    """Back to the snapshot: our cache restores its checkpoint, others trim."""
     offset, saved = snap
     for c, s in zip(cache, saved):
-        c.trim(c.offset - offset)
-        for name, value in (s or {}).items():
-            setattr(c, name, value)
+        if s is None:
+            c.trim(c.offset - offset)
+        else:
+            c.restore(s)
 
 
 def _logprobs(logits: mx.array) -> mx.array:

@@ -72,11 +72,6 @@ class _Prefilled:
     windows: list | None = field(default=None, repr=False)
 
 
-# Small per-cache attributes that a TurboQuant-style cache (exact window over
-# packed history) changes while tasks run; restored after each task's trim.
-_WINDOW_ATTRS = ("offset", "packed_len", "window_keys", "window_values", "key_mean", "value_mean")
-
-
 def _make_cache(model: Any, spec: Any) -> list:
     """Per-layer caches for ``model`` (the mlx-lm model, or the whole mlx-vlm model)."""
     from turboquant import make_prompt_cache
@@ -195,10 +190,7 @@ class Engine:
         if not all(c.is_trimmable() for c in self.cache):
             state.snapshot = [(_copy_state(c.state), c.meta_state) for c in self.cache]
         else:
-            state.windows = [
-                {a: getattr(c, a, None) for a in _WINDOW_ATTRS} if hasattr(c, "packed_len") else None
-                for c in self.cache
-            ]
+            state.windows = [c.checkpoint() if hasattr(c, "checkpoint") else None for c in self.cache]
         return state
 
     def _mrope_positions(self, ids: mx.array, prompt: DocumentPrompt) -> tuple[mx.array | None, int | None]:
@@ -236,9 +228,10 @@ class Engine:
         if state.snapshot is None:
             extra = self.cache[0].offset - state.length
             for c, saved in zip(self.cache, state.windows or [None] * len(self.cache)):
-                c.trim(extra)
-                for name, value in (saved or {}).items():
-                    setattr(c, name, value)
+                if saved is None:
+                    c.trim(extra)
+                else:
+                    c.restore(saved)  # also undoes flushes out of the exact window
         else:
             for c, (arrays, meta) in zip(self.cache, state.snapshot):
                 c.state = _copy_state(arrays)

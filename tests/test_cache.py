@@ -136,3 +136,26 @@ def test_empty_cache_state_round_trips(tmp_path):
 def test_invalid_widths_are_rejected():
     with pytest.raises(ValueError, match="kv_bits"):
         TurboQuantKVCache(5)
+
+
+def test_checkpoint_restore_undoes_flushes_that_trim_cannot():
+    """After tokens were flushed out of the exact window, trim leaves them
+    quantized; restore returns to the checkpoint exactly (the pipeline's
+    per-task rewind depends on this)."""
+    import mlx.core as mx
+
+    from turboquant.cache import TurboQuantKVCache
+
+    mx.random.seed(3)
+    cache = TurboQuantKVCache(kv_bits=3.5, window=4)
+    k = mx.random.normal((1, 2, 12, 64))
+    cache.update_and_fetch(k, k)
+    cache.update_and_fetch(k[:, :, :1], k[:, :, :1])
+    point = cache.checkpoint()
+    before = (cache.offset, cache.packed_len, cache.window_keys)
+    for _ in range(6):  # decode past the window: more tokens get flushed
+        cache.update_and_fetch(k[:, :, :1], k[:, :, :1])
+    assert cache.packed_len > before[1]
+    cache.restore(point)
+    assert (cache.offset, cache.packed_len) == before[:2]
+    assert mx.array_equal(cache.window_keys, before[2])

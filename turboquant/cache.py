@@ -240,6 +240,24 @@ class TurboQuantKVCache(_BaseCache):
         self.offset = new_offset
         return n
 
+    _CHECKPOINT_ATTRS = ("offset", "packed_len", "window_keys", "window_values", "key_mean", "value_mean")
+
+    def checkpoint(self) -> dict:
+        """A cheap marker to come back to with ``restore`` (references, no copies).
+
+        ``trim`` alone cannot undo a flush: tokens that left the exact window
+        while later tokens were appended stay quantized.  The packed storage
+        below ``packed_len`` is never rewritten, so remembering the counters,
+        the window arrays and the means is enough to get back bit-exactly
+        (the pipeline prefills a document once and returns here after each task).
+        """
+        return {name: getattr(self, name) for name in self._CHECKPOINT_ATTRS}
+
+    def restore(self, checkpoint: dict) -> None:
+        """Return to ``checkpoint`` (taken on this cache, with nothing trimmed below it since)."""
+        for name, value in checkpoint.items():
+            setattr(self, name, value)
+
     # ----------------------------------------------------------------- memory
     @property
     def nbytes(self) -> int:
