@@ -327,30 +327,17 @@ def _process_document(engines: Any, job: Any, task: DocumentTask, pages: str | N
 _LOCAL_OBJECT_STORE_BYTES = 200 * 2**20
 
 
-def run_job_on_ray(
-    job: Any,
-    *,
-    address: str | None = None,
-    workers: int | None = None,
-    retry_failed: bool = False,
-    pages: str | None = None,
-    progress: bool = True,
-    num_cpus_per_worker: float = 1.0,
-    ready_timeout_s: float = 600.0,
-    setup: Callable[[Any], Any] | None = None,
-    process: Callable[[Any, Any, Any, str | None], Iterable[dict]] | None = None,
-) -> Any:
+def run_job_on_ray(job: Any, **options: Any) -> Any:
     """``run_job`` on Ray: same records, same checkpoint, same ``RunSummary``.
 
-    ``address`` and ``workers`` override the job's ``engine:`` block; with no
-    address a private local cluster of ``workers`` CPUs is started and shut
-    down at the end.  ``setup``/``process`` replace the model work inside the
-    actors (tests only; see :class:`DocumentWorker`).
+    ``options`` are :class:`RayRun`'s: ``address`` and ``workers`` override the
+    job's ``engine:`` block (with no address a private local cluster of
+    ``workers`` CPUs is started and shut down at the end); ``retry_failed``,
+    ``pages`` and ``progress`` as in the local runner; ``setup``/``process``
+    replace the model work inside the actors (tests only; see
+    :class:`DocumentWorker`).
     """
-    return RayRun(
-        job, address=address, workers=workers, retry_failed=retry_failed, pages=pages, progress=progress,
-        num_cpus_per_worker=num_cpus_per_worker, ready_timeout_s=ready_timeout_s, setup=setup, process=process,
-    ).run()
+    return RayRun(job, **options).run()
 
 
 class RayRun:
