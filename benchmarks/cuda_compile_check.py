@@ -59,9 +59,39 @@ def mlx_cuda_source(name: str, in_types: list[str], out_types: list[str],
     return src
 
 
+_NVCC_PREAMBLE = """
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+#include <cstdint>
+#include <cooperative_groups.h>
+"""
+
+
+def compile_nvcc(src: str, name: str, arch: str = "sm_90") -> tuple[bool, str]:
+    """Compile with a local ``nvcc`` instead of NVRTC (no MLX headers needed:
+    MLX's JIT preamble is replaced by the CUDA half/bfloat headers it pulls in).
+    Same ptxas report; what a developer machine without the MLX CUDA wheel has."""
+    import shutil
+    import subprocess
+    import tempfile
+
+    src = src.replace(_MLX_DEFAULT_HEADER, _NVCC_PREAMBLE)
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / f"{name}.cu"
+        path.write_text(src)
+        r = subprocess.run(
+            [shutil.which("nvcc") or "nvcc", f"-arch={arch}", "-std=c++17", "-c", "-Xptxas", "-v",
+             "-o", str(Path(d) / f"{name}.o"), str(path)],
+            capture_output=True, text=True,
+        )
+    return r.returncode == 0, r.stdout + r.stderr
+
+
 def compile_cuda(src: str, name: str, arch: str = "sm_90", cubin: str = "") -> tuple[bool, str]:
     """NVRTC-compile ``src``; returns (ok, log).  Writes the cubin to ``cubin`` if given
-    (``cuobjdump --dump-sass`` reads it)."""
+    (``cuobjdump --dump-sass`` reads it).  Without ``TQ_NVRTC_LIB``, uses nvcc."""
+    if not os.environ.get("TQ_NVRTC_LIB"):
+        return compile_nvcc(src, name, arch)
     lib = ctypes.CDLL(os.environ["TQ_NVRTC_LIB"])
     prog = ctypes.c_void_p()
     rc = lib.nvrtcCreateProgram(ctypes.byref(prog), src.encode(), f"{name}.cu".encode(),
@@ -97,6 +127,16 @@ CASES = [
     ("tq_decode", ["float32", "uint32", "float16", "uint32", "float16", "float32", "float32", "int32"],
      ["float32"] * 3,
      [("D", 64), ("BK", 4), ("BV", 4), ("GL", 1), ("DPT", 16), ("NW", 8), ("U", 4), ("PAIR", 1)]),
+    ("tq_decode_tc", ["float32", "uint32", "float16", "uint32", "float16", "float32", "float32", "int32"],
+     ["float32"] * 3, [("D", 128), ("BK", 3), ("BV", 4), ("GL", 4), ("NW", 4)]),
+    ("tq_decode_tc", ["float32", "uint32", "float16", "uint32", "float16", "float32", "float32", "int32"],
+     ["float32"] * 3, [("D", 128), ("BK", 2), ("BV", 3), ("GL", 8), ("NW", 4)]),
+    ("tq_decode_tc", ["float32", "uint32", "float16", "uint32", "float16", "float32", "float32", "int32"],
+     ["float32"] * 3, [("D", 64), ("BK", 3), ("BV", 3), ("GL", 1), ("NW", 4)]),
+    ("tq_decode_tc", ["float32", "uint32", "float16", "uint32", "float16", "float32", "float32", "int32"],
+     ["float32"] * 3, [("D", 128), ("BK", 4), ("BV", 4), ("GL", 4), ("NW", 8)]),
+    ("tq_decode_tc", ["float32", "uint32", "float16", "uint32", "float16", "float32", "float32", "int32"],
+     ["float32"] * 3, [("D", 128), ("BK", 3), ("BV", 4), ("GL", 16), ("NW", 4)]),
     ("tq_decode_reduce", ["float32", "float32", "float32", "int32"], ["float32"] * 2,
      [("D", 128), ("GL", 4)]),
     ("tq_dequant", ["uint32", "float16", "float32", "float32", "int32"], ["float16"],

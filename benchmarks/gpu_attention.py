@@ -10,9 +10,11 @@ One run prints, for 32 query heads / 8 KV heads / head dim 128, batch 1:
   ``quantized_scaled_dot_product_attention`` does) and the TurboQuant kernels
   at 2.5, 3.5 and 4 bits, with the bytes of cache each reads and the
   effective bandwidth against a measured device copy rate;
-* quantize-on-append for one token (8 heads, keys + values) vs a decode step;
-* chunked prefill of 128k tokens: fp16 SDPA vs dequantize + SDPA on the
-  packed history.
+* quantize-on-append for one token (8 heads, keys + values) vs a decode step,
+  the cache's batched flush (64 tokens) amortized per step, and real decode
+  steps on a TurboQuantKVCache with per-token vs batched flushing;
+* chunked prefill of 128k tokens: fp16 SDPA vs the TurboQuant dispatch (the
+  tensor-core kernel tiled over query rows) vs dequantize + SDPA.
 
 Timing: every call is independent work on one of several copies of the
 inputs (rotated so the working set is several times the L2 cache); a batch
@@ -168,11 +170,11 @@ def bench_decode(lengths, results, bw):
             cs = [c0] + [tq_cache(n, kv_bits, seed=i + 1) for i in range(copies_for(c0.nbytes) - 1)]
             t = timeit([tq_decode_fn(c, q_rot) for c in cs])
             row[f"turboquant {kv_bits}-bit"] = (t, c0.nbytes)
-            if kv_bits == 3.5:  # the same with pairwise codebook lookups
-                os.environ["TQ_DECODE_PAIR"] = "1"
+            if kv_bits == 3.5 and kernels.decode_impl(D) == "tc":  # the scalar-core kernel
+                os.environ["TQ_DECODE_IMPL"] = "simt"
                 t = timeit([tq_decode_fn(c, q_rot) for c in cs])
-                os.environ.pop("TQ_DECODE_PAIR")
-                row["turboquant 3.5 pairs"] = (t, c0.nbytes)
+                os.environ.pop("TQ_DECODE_IMPL")
+                row["tq 3.5 simt kernel"] = (t, c0.nbytes)
             if kv_bits == 3.5:  # whole attention: rotations, 128-token window, merge
                 wk = mx.random.normal((1, HKV, 128, D)).astype(mx.float16)
                 t = timeit([lambda c=c: kernels._decode_attention(q, wk, wk, c, SCALE, None)
@@ -189,28 +191,25 @@ def bench_decode(lengths, results, bw):
 
 
 def bench_decode_variants(n, results):
-    """Launch-shape sweep (dims per lane, warps, threadgroups) at one length."""
+    """Launch-shape sweep of the tensor-core kernel (warps, threadgroups) at one length."""
     q_rot = mx.random.normal((1, HKV, HQ // HKV, D)) * SCALE
     c0 = tq_cache(n, 3.5)
     cs = [c0] + [tq_cache(n, 3.5, seed=i + 1) for i in range(copies_for(c0.nbytes) - 1)]
-    print(f"\n== decode kernel launch shapes at {n} tokens, 3.5-bit")
+    print(f"\n== tensor-core decode kernel launch shapes at {n} tokens, 3.5-bit")
     best = None
-    for dpt in (8, 16):
-        for u in (2, 4):
-            for nw in (4, 8):
-                for blocks in (264, 528, 1056):
-                    os.environ.update(TQ_DECODE_DPT=str(dpt), TQ_DECODE_NW=str(nw),
-                                      TQ_DECODE_BLOCKS=str(blocks), TQ_DECODE_U=str(u))
-                    try:
-                        t = timeit([tq_decode_fn(c, q_rot) for c in cs], repeats=5)
-                    except Exception as e:  # noqa: BLE001
-                        print(f"  DPT={dpt} U={u} NW={nw} blocks={blocks}: failed {e}")
-                        continue
-                    print(f"  DPT={dpt:>2} U={u} NW={nw} blocks={blocks:>4}: {t * 1e3:.4f} ms")
-                    results.setdefault("variants", {})[f"{n}/{dpt}/{u}/{nw}/{blocks}"] = t
-                    if best is None or t < best[0]:
-                        best = (t, dpt, u, nw, blocks)
-    for key in ("TQ_DECODE_DPT", "TQ_DECODE_NW", "TQ_DECODE_BLOCKS", "TQ_DECODE_U"):
+    for nw in (4, 8):
+        for blocks in (264, 396, 528, 792, 1056, 2112):
+            os.environ.update(TQ_TC_NW=str(nw), TQ_TC_BLOCKS=str(blocks))
+            try:
+                t = timeit([tq_decode_fn(c, q_rot) for c in cs], repeats=5)
+            except Exception as e:  # noqa: BLE001
+                print(f"  NW={nw} blocks={blocks}: failed {e}")
+                continue
+            print(f"  NW={nw} blocks={blocks:>4}: {t * 1e3:.4f} ms")
+            results.setdefault("variants", {})[f"{n}/{nw}/{blocks}"] = t
+            if best is None or t < best[0]:
+                best = (t, nw, blocks)
+    for key in ("TQ_TC_NW", "TQ_TC_BLOCKS"):
         os.environ.pop(key, None)
     return best
 
@@ -233,11 +232,60 @@ def bench_append(n, results):
     print(f"  4096-token chunk: kernel {t_chunk * 1e3:.3f} ms, reference codec {t_chunk_ref * 1e3:.3f} ms")
     results["append"] = {"kernel": t_kernel, "reference": t_ref, "decode_step": t_step,
                          "chunk_kernel": t_chunk, "chunk_reference": t_chunk_ref}
+    # The cache quantizes decode tokens in batches of flush_batch (default 64
+    # = window // 2): one launch pair per 64 steps.
+    fb = 64
+    xf = [mx.random.normal((1, HKV, fb, D)).astype(mx.float16) for _ in range(8)]
+    t_flush = timeit([lambda xi=xi: kernels.quantize(xi, kc) + kernels.quantize(xi, vc) for xi in xf])
+    print(f"  flush of {fb} tokens (the cache's batch): {t_flush * 1e3:.4f} ms = "
+          f"{t_flush / fb * 1e3:.5f} ms per decode step = {100 * t_flush / fb / t_step:.2f}% of a decode step")
+    results["append"].update(flush_batch=fb, flush=t_flush, amortized=t_flush / fb)
+    decode_loop(n, results)
+
+
+def decode_loop(n, results, steps=256):
+    """Real decode steps on a TurboQuantKVCache holding n tokens: append one
+    token (update_and_fetch, which flushes to packed storage) + attention,
+    evaluated per step as generation does.  flush_batch=1 quantizes every
+    token as it leaves the window; the default batches 64."""
+    from turboquant.cache import TurboQuantKVCache
+
+    ks = [mx.random.normal((1, HKV, 1, D)).astype(mx.float16) for _ in range(steps)]
+    q = mx.random.normal((1, HQ, 1, D)).astype(mx.float16)
+    out = {}
+    for name, fb in (("flush every token", 1), ("flush batch 64 (default)", None)):
+        c = TurboQuantKVCache(3.5, window=128, flush_batch=fb, seed=0)
+        c.reserve(n + steps + 1)
+        for a in range(0, n, 8192):
+            x = mx.random.normal((1, HKV, min(8192, n - a), D)).astype(mx.float16)
+            c.update_and_fetch(x, x)
+            mx.eval(c.keys_packed, c.values_packed, c.window_keys)
+        times = []
+        for rep in range(2):
+            ck = c.checkpoint()
+            mx.synchronize()
+            t0 = time.perf_counter()
+            for k in ks:
+                wk, wv = c.update_and_fetch(k, k)
+                mx.eval(kernels.turboquant_attention(q, wk, wv, c, SCALE, None))
+            mx.synchronize()
+            times.append((time.perf_counter() - t0) / steps)
+            c.restore(ck)
+        out[name] = min(times)
+    base = out["flush batch 64 (default)"]
+    print(f"\n== decode steps on a TurboQuantKVCache at {n} tokens (3.5-bit, window 128): "
+          f"append + attention, eval per step, {steps} steps")
+    for name, t in out.items():
+        print(f"  {name:<26} {t * 1e3:.4f} ms/step  ({t / base:.2f}x)")
+    results["decode_loop"] = {"tokens": n, **out}
 
 
 def bench_prefill(n, chunk, results):
-    """Chunked prefill of n tokens: fp16 SDPA over the growing cache vs
-    dequantize(packed history) + SDPA over [history; chunk] + quantize the chunk."""
+    """Chunked prefill of n tokens: fp16 SDPA over the growing cache vs the
+    TurboQuant attention dispatch (on CUDA: the tensor-core kernel over the
+    packed history, tiled by query rows, merged with the chunk's exact
+    attention) + quantizing the chunk; also the older dequantize + SDPA path,
+    which holds the whole dequantized history."""
     kc_bits = 3.5
     k_all, v_all = fp16_cache(n)
     qs = mx.random.normal((1, HQ, chunk, D)).astype(mx.float16)
@@ -247,31 +295,39 @@ def bench_prefill(n, chunk, results):
         return mx.fast.scaled_dot_product_attention(
             qs, k_all[:, :, :e], v_all[:, :, :e], scale=SCALE, mask="causal")
 
-    def tq_step(s):
+    def tq_step(s, attend):
         tq.packed_len = s
         wk = k_all[:, :, s : s + chunk]
         wv = v_all[:, :, s : s + chunk]
         if s == 0:
             o = mx.fast.scaled_dot_product_attention(qs, wk, wv, scale=SCALE, mask="causal")
         else:
-            o = kernels._prefill_attention(qs, wk, wv, tq, SCALE, "causal")
+            o = attend(qs, wk, wv, tq, SCALE, "causal")
         pk = kernels.quantize(wk, tq.key_codec)
         pv = kernels.quantize(wv, tq.value_codec)
         return [o, *pk, *pv]
 
-    out = {}
-    for name, step in (("fp16", lambda s: [fp16_step(s + chunk)]), ("turboquant 3.5-bit", tq_step)):
+    out, peak = {}, {}
+    steps = (
+        ("fp16", lambda s: [fp16_step(s + chunk)]),
+        ("turboquant 3.5-bit", lambda s: tq_step(s, kernels.turboquant_attention)),
+        ("tq 3.5 dequant+SDPA", lambda s: tq_step(s, kernels._prefill_attention)),
+    )
+    for name, step in steps:
         mx.eval(step(0), step(chunk))  # compile/warm
         mx.synchronize()
+        mx.reset_peak_memory()
+        base_mem = mx.get_active_memory()
         t0 = time.perf_counter()
         for s in range(0, n, chunk):
             mx.eval(step(s))
         mx.synchronize()
         out[name] = time.perf_counter() - t0
+        peak[name] = mx.get_peak_memory() - base_mem
     print(f"\n== chunked prefill attention, {n} tokens in chunks of {chunk} (32/8 heads, d=128)")
     for name, t in out.items():
-        print(f"  {name:<20} {t:8.3f} s  ({t / out['fp16']:.2f}x fp16)")
-    results["prefill"] = {"tokens": n, "chunk": chunk, **out}
+        print(f"  {name:<20} {t:8.3f} s  ({t / out['fp16']:.2f}x fp16)  peak above inputs {peak[name] / 2**20:8.1f} MiB")
+    results["prefill"] = {"tokens": n, "chunk": chunk, **out, "peak_bytes": peak}
 
 
 def main() -> int:
@@ -294,10 +350,8 @@ def main() -> int:
     if args.sweep not in ("", "none"):
         best = bench_decode_variants(parse_len(args.sweep), results)
         if best:
-            _, dpt, u, nw, blocks = best
-            print(f"  best: DPT={dpt} U={u} NW={nw} blocks={blocks} (used below)")
-            os.environ.update(TQ_DECODE_DPT=str(dpt), TQ_DECODE_NW=str(nw),
-                              TQ_DECODE_BLOCKS=str(blocks), TQ_DECODE_U=str(u))
+            _, nw, blocks = best
+            print(f"  best: NW={nw} blocks={blocks} (defaults NW=4 blocks=528; tables below use the defaults)")
             results["best_variant"] = best
     bench_decode([parse_len(s) for s in args.lengths.split(",") if s], results, bw)
     bench_append(parse_len("32k"), results)

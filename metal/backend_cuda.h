@@ -19,3 +19,45 @@
 #define TQ_TO_FLOAT(x) static_cast<float>(x)
 #define TQ_TO_HALF(x) __float2half_rn(x)
 typedef unsigned long long tq_u64;
+
+// --- tensor-core decode (tq_decode_tc.inc, CUDA only) ---------------------
+// (cuda_fp16.h: included by MLX's JIT preamble)
+
+// half2(a, b) as raw bits, a in the low half (the lower k / n index).
+__device__ __forceinline__ unsigned int tq_half2_bits(float a, float b) {
+  __half2 h = __floats2half2_rn(a, b);
+  return *reinterpret_cast<unsigned int*>(&h);
+}
+template <typename T>  // T: MLX's float16 element type (exact round trip)
+__device__ __forceinline__ unsigned int tq_pack_half_bits(T a, T b) {
+  return tq_half2_bits(static_cast<float>(a), static_cast<float>(b));
+}
+__device__ __forceinline__ float2 tq_unpack_half2(unsigned int u) {
+  return __half22float2(*reinterpret_cast<__half2*>(&u));
+}
+// Low 32 bits of (hi:lo) >> sh, 0 <= sh < 32.
+__device__ __forceinline__ unsigned int tq_funnel(unsigned int lo, unsigned int hi, int sh) {
+  return __funnelshift_r(lo, hi, sh);
+}
+// `width` bits at stream bit `bit` of a lane's aligned words (bit and width
+// are compile-time after unrolling, so the array stays in registers).
+template <int N>
+__device__ __forceinline__ unsigned int tq_bits(const unsigned int (&a)[N], int bit, int width) {
+  const int w = bit >> 5, sh = bit & 31;
+  unsigned int v = a[w] >> sh;
+  if (sh + width > 32 && w + 1 < N) v |= a[w + 1] << (32 - sh);
+  return v & ((1u << width) - 1u);
+}
+// c[0..3] += A(16x16, f16) * B(16x8, f16), fp32 accumulate (g = lane/4,
+// t = lane%4): a0 = A[g][2t..2t+1], a1 = A[g+8][2t..2t+1], a2 = A[g][2t+8..2t+9],
+// a3 = A[g+8][2t+8..2t+9]; b0 = B[2t..2t+1][g], b1 = B[2t+8..2t+9][g];
+// c = C[g][2t..2t+1], C[g+8][2t..2t+1].
+__device__ __forceinline__ void tq_mma16816(float (&c)[4], unsigned int a0, unsigned int a1,
+                                            unsigned int a2, unsigned int a3,
+                                            unsigned int b0, unsigned int b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+      "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}

@@ -185,13 +185,30 @@ def test_glue_matches_reference_on_cpu(monkeypatch, L, mask):
     d, h_kv, g = 64, 2, 4
     cache = _filled_cache(3.5, d, h_kv, 300)
     k = mx.random.normal((1, h_kv, L, d))
+    if mask == "array":  # built before the update, as models do
+        mask = cache.make_mask(L, return_array=True)
     wk, wv = cache.update_and_fetch(k, k * 0.5 - 0.2)
     q = mx.random.normal((1, h_kv * g, L, d))
-    if mask == "array":
-        mask = cache.make_mask(L, return_array=True)
     out = kernels.turboquant_attention(q, wk, wv, cache, d**-0.5, mask)
     ref = reference(q, wk, wv, cache, d**-0.5, mask)
     assert _rel(out, ref) < 1e-5
+
+
+def test_window_attention_in_blocks_equals_one_block(monkeypatch):
+    """Prefill chunks attend to their exact window in blocks of query
+    positions (bounded float32 scores); the blocks must not change the result."""
+    B, H, G, L, W, D = 1, 2, 4, 37, 50, 64
+    q = mx.random.normal((B, H, G * L, D))
+    k, v = mx.random.normal((B, H, W, D)), mx.random.normal((B, H, W, D))
+    mask = mx.arange(W - L, W)[:, None] >= mx.arange(W)[None]
+    lse1, out1 = kernels._window_attention(q, k, v, mask, G, L)
+    monkeypatch.setattr(kernels, "WINDOW_SCORES_BYTES", 4 * B * H * G * W * 5)  # 5 positions
+    lse2, out2 = kernels._window_attention(q, k, v, mask, G, L)
+    assert float(mx.abs(lse1 - lse2).max()) < 1e-4 and float(mx.abs(out1 - out2).max()) < 1e-4
+    s = (q.reshape(B, H, G, L, D) @ k.swapaxes(-1, -2)[:, :, None])
+    s = mx.where(mask, s, -1e30)
+    ref = mx.softmax(s, axis=-1) @ v[:, :, None]
+    assert float(mx.abs(out2 - ref.reshape(B, H, G * L, D)).max()) < 1e-4
 
 
 @pytest.mark.skipif(not os.environ.get("TQ_NVRTC_LIB"), reason="NVRTC not configured (see benchmarks/cuda_compile_check.py)")
@@ -243,9 +260,16 @@ def _rel(a, b):
 @pytest.mark.parametrize("bits", WIDTHS)
 @pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("gqa", [1, 4, 8])
-@pytest.mark.parametrize("pair", ["0", "1"])
-def test_decode_matches_reference(monkeypatch, bits, d, gqa, pair):
+@pytest.mark.parametrize("impl,pair", [("simt", "0"), ("simt", "1"), ("tc", "0")])
+def test_decode_matches_reference(monkeypatch, bits, d, gqa, impl, pair):
+    """SIMT kernel (fp32 throughout): 2e-5 of float64.  Tensor-core kernel
+    (CUDA, d 64/128): fp16 operands with fp32 accumulation, like fp16 SDPA,
+    so ~1e-3; 4e-3 bounds it (measured on the H200, docs/benchmarks.md)."""
+    if impl == "tc" and (kernels.backend() != "cuda" or d not in (64, 128)):
+        pytest.skip("tensor-core kernel: CUDA, head dim 64/128")
+    monkeypatch.setenv("TQ_DECODE_IMPL", impl)
     monkeypatch.setenv("TQ_DECODE_PAIR", pair)  # one or two indices per lookup
+    tol = 2e-5 if impl == "simt" else 4e-3
     bk, bv = bits
     rng = np.random.default_rng(d * 100 + gqa * 10 + bk)
     B, H, L = 1, 2, 1 if gqa > 1 else 2
@@ -260,8 +284,60 @@ def test_decode_matches_reference(monkeypatch, bits, d, gqa, pair):
             n, bk, bv,
         )
         ro, rl = _reference_decode(q, ik, np.asarray(kn), iv, np.asarray(vn), ck, cv, n)
-        assert _rel(out, ro) < 2e-5, (n, structured)
-        assert np.abs(np.asarray(lse) - rl).max() < 2e-4 * max(1.0, np.abs(rl).max())
+        assert _rel(out, ro) < tol, (n, structured)
+        assert np.abs(np.asarray(lse) - rl).max() < 10 * tol * max(1.0, np.abs(rl).max())
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("bits", [(3, 4), (2, 3)])
+@pytest.mark.parametrize("rows", [9, 40, 256])
+def test_tensor_core_kernel_tiles_many_query_rows(monkeypatch, bits, rows):
+    """Prefill chunks: rows in tiles of 16 (the last one partial), one grid row per tile."""
+    if kernels.backend() != "cuda":
+        pytest.skip("tensor-core kernel: CUDA only")
+    monkeypatch.setenv("TQ_DECODE_IMPL", "tc")
+    bk, bv = bits
+    d, B, H, n = 128, 1, 2, 3001
+    rng = np.random.default_rng(rows)
+    kw, kn, ik = _packed_tensor(rng, B, H, 3072, d, bk, n)
+    vw, vn, iv = _packed_tensor(rng, B, H, 3072, d, bv, n)
+    ck = np.asarray(codebook(bk, d).centroids)
+    cv = np.asarray(codebook(bv, d).centroids)
+    q = rng.standard_normal((B, H, rows, d)) * 2.0
+    out, lse = kernels.decode(mx.array(q.astype(np.float32)), kw, kn, vw, vn,
+                              mx.array(ck.astype(np.float32)), mx.array(cv.astype(np.float32)), n, bk, bv)
+    ro, rl = _reference_decode(q, ik, np.asarray(kn), iv, np.asarray(vn), ck, cv, n)
+    assert _rel(out, ro) < 4e-3
+    assert np.abs(np.asarray(lse) - rl).max() < 4e-2 * max(1.0, np.abs(rl).max())
+
+
+@gpu
+@pytest.mark.gpu
+def test_tiled_prefill_holds_no_dequantized_history(monkeypatch):
+    """A prefill chunk over a long packed history reads the codes in place:
+    peak memory grows by far less than the dequantized history would take."""
+    if kernels.backend() != "cuda":
+        pytest.skip("tensor-core kernel: CUDA only")
+    from turboquant.cache import TurboQuantKVCache
+
+    d, h_kv, g, n, L = 128, 8, 4, 131072, 512
+    cache = TurboQuantKVCache(3.5, seed=0)
+    cache.reserve(n + L)
+    for a in range(0, n, 8192):
+        x = mx.random.normal((1, h_kv, 8192, d)).astype(mx.float16)
+        cache.update_and_fetch(x, x)
+        mx.eval(cache.keys_packed, cache.values_packed)
+    x = mx.random.normal((1, h_kv, L, d)).astype(mx.float16)
+    wk, wv = cache.update_and_fetch(x, x)
+    q = mx.random.normal((1, h_kv * g, L, d)).astype(mx.float16)
+    mx.eval(wk, wv, q)
+    dequantized = 2 * h_kv * cache.packed_len * d * 2  # fp16 keys + values
+    mx.reset_peak_memory()
+    before = mx.get_active_memory()
+    out = kernels.turboquant_attention(q, wk, wv, cache, d**-0.5, "causal")
+    mx.eval(out)
+    assert mx.get_peak_memory() - before < dequantized / 4
 
 
 @gpu
@@ -349,7 +425,9 @@ def test_attention_matches_reference_path(monkeypatch, kv_bits, L):
     # rotations; SDPA for prefill) through MLX's GPU matmuls, which use TF32
     # on NVIDIA: measured 4-5e-4 apart on the H200.  The packed-history part
     # alone is checked to 2e-5 against float64 in test_decode_matches_reference.
-    assert _rel(out, ref) < 2e-3
+    # On CUDA the tensor-core kernel (fp16 operands) serves both L=1 and L=64.
+    tol = 6e-3 if kernels.decode_impl(d) == "tc" else 2e-3
+    assert _rel(out, ref) < tol
 
 
 def test_prefill_never_holds_more_than_the_dequant_limit(monkeypatch):

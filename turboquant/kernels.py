@@ -44,6 +44,7 @@ MODES = ("auto", "gpu", "reference")
 # name -> (input names, output names)
 _SIGNATURES = {
     "tq_decode": (["q", "kp", "kn", "vp", "vn", "kcb", "vcb", "meta"], ["po", "pm", "pl"]),
+    "tq_decode_tc": (["q", "kp", "kn", "vp", "vn", "kcb", "vcb", "meta"], ["po", "pm", "pl"]),
     "tq_decode_reduce": (["po", "pm", "pl", "meta"], ["out", "lse"]),
     "tq_dequant": (["packed", "norms", "cb", "mean", "meta"], ["out"]),
     "tq_quantize": (["x", "signs", "bounds", "cents"], ["packed", "norms"]),
@@ -191,6 +192,43 @@ def _f32(x: mx.array) -> mx.array:
     return x if x.dtype == mx.float32 else x.astype(mx.float32)
 
 
+def decode_impl(d: int) -> str:
+    """Which decode kernel runs: ``"tc"`` (tensor cores, CUDA, head dim 64/128)
+    or ``"simt"`` (the shared-body kernel, every backend).  ``TQ_DECODE_IMPL``
+    = auto|tc|simt; auto picks tc wherever it applies."""
+    want = os.environ.get("TQ_DECODE_IMPL", "auto").strip().lower() or "auto"
+    if want not in ("auto", "tc", "simt"):
+        raise ValueError(f"TQ_DECODE_IMPL={want!r}: choose auto, tc or simt")
+    tc_ok = backend() == "cuda" and d in (64, 128)
+    if want == "tc" and not tc_ok:
+        raise ValueError(f"TQ_DECODE_IMPL=tc needs CUDA and head dim 64 or 128 (got d={d})")
+    if want == "simt":
+        return "simt"
+    return "tc" if tc_ok else "simt"
+
+
+def tc_config(d: int, rows: int, b_hkv: int, n: int) -> dict:
+    """Launch shape of the tensor-core kernel.
+
+    A threadgroup serves one tile of up to 16 query rows (``GL``) of one kv
+    head with ``NW`` warps; tokens are split so that about
+    ``TQ_TC_BLOCKS`` threadgroups (default 528 = 4 per H200 SM: 167
+    registers x 128 threads allow 3) cover the GPU.  Prefill chunks bring
+    many row tiles and need no token split.
+    """
+    gl = min(rows, 16)
+    rt = -(-rows // 16)
+    nw = int(os.environ.get("TQ_TC_NW", 0)) or 4
+    if gl > 8:
+        nw = min(nw, 4)  # shared-memory budget of the 16-row reduction
+    step = 16 * nw
+    target = int(os.environ.get("TQ_TC_BLOCKS", 528))
+    splits = max(1, -(-target // max(1, b_hkv * rt)))
+    toks = max(step, -(-n // splits))
+    toks = -(-toks // step) * step
+    return {"GL": gl, "RT": rt, "NW": nw, "TOKS": toks, "S": -(-n // toks)}
+
+
 def decode(
     q_rot: mx.array, keys_packed: mx.array, keys_norms: mx.array,
     values_packed: mx.array, values_norms: mx.array,
@@ -205,28 +243,44 @@ def decode(
     copied to make it contiguous).  Returns ``(out, lse)``: the normalised
     rotated-domain output [B, H_kv, R, Dv] float32 and the natural-log
     log-sum-exp [B, H_kv, R] float32 of the scores.
+
+    On CUDA (head dim 64/128) the tensor-core kernel runs (fp16 operands,
+    fp32 accumulation, like fp16 SDPA: ~1e-3 relative error); elsewhere the
+    SIMT kernel (fp32 throughout).  ``TQ_DECODE_IMPL`` overrides.
     """
     B, H, R, D = q_rot.shape
     Dv = D  # keys and values share the head dim in the kernel
     if values_packed.shape[-1] != (Dv * value_bits + 31) // 32:
         raise ValueError("decode kernel: values must have the keys' head dim")
-    cfg = decode_config(D, R, B * H, n)
-    if cfg is None:
-        raise ValueError(f"decode kernel: unsupported head dim {D} with {R} query rows")
     cap = keys_packed.shape[2]
-    meta = _meta(n, cap, cfg["TOKS"], H, cfg["S"])
     q = _f32(q_rot)
-    S, NW = cfg["S"], cfg["NW"]
-    po, pm, pl = _launch(
-        "tq_decode",
-        inputs=[q, keys_packed, keys_norms, values_packed, values_norms,
-                _f32(key_centroids), _f32(value_centroids), meta],
-        template=[("D", D), ("BK", key_bits), ("BV", value_bits), ("GL", R),
-                  ("DPT", cfg["DPT"]), ("NW", NW), ("U", cfg["U"]), ("PAIR", cfg["PAIR"])],
-        grid=(S * NW * 32, H, B), threadgroup=(NW * 32, 1, 1),
-        output_shapes=[(B, H, S, R, D), (B, H, S, R), (B, H, S, R)],
-        output_dtypes=[mx.float32] * 3,
-    )
+    inputs = [q, keys_packed, keys_norms, values_packed, values_norms,
+              _f32(key_centroids), _f32(value_centroids)]
+    if decode_impl(D) == "tc":
+        cfg = tc_config(D, R, B * H, n)
+        S, NW = cfg["S"], cfg["NW"]
+        meta = _meta(n, cap, cfg["TOKS"], H, S, R, cfg["RT"])
+        po, pm, pl = _launch(
+            "tq_decode_tc", inputs=inputs + [meta],
+            template=[("D", D), ("BK", key_bits), ("BV", value_bits), ("GL", cfg["GL"]), ("NW", NW)],
+            grid=(S * NW * 32, H * cfg["RT"], B), threadgroup=(NW * 32, 1, 1),
+            output_shapes=[(B, H, S, R, D), (B, H, S, R), (B, H, S, R)],
+            output_dtypes=[mx.float32] * 3,
+        )
+    else:
+        cfg = decode_config(D, R, B * H, n)
+        if cfg is None:
+            raise ValueError(f"decode kernel: unsupported head dim {D} with {R} query rows")
+        S, NW = cfg["S"], cfg["NW"]
+        meta = _meta(n, cap, cfg["TOKS"], H, S)
+        po, pm, pl = _launch(
+            "tq_decode", inputs=inputs + [meta],
+            template=[("D", D), ("BK", key_bits), ("BV", value_bits), ("GL", R),
+                      ("DPT", cfg["DPT"]), ("NW", NW), ("U", cfg["U"]), ("PAIR", cfg["PAIR"])],
+            grid=(S * NW * 32, H, B), threadgroup=(NW * 32, 1, 1),
+            output_shapes=[(B, H, S, R, D), (B, H, S, R), (B, H, S, R)],
+            output_dtypes=[mx.float32] * 3,
+        )
     out, lse = _launch(
         "tq_decode_reduce",
         inputs=[po, pm, pl, meta],
@@ -307,6 +361,7 @@ def supports_quantize(codec) -> bool:
     return (
         getattr(codec, "norm_mode", "preserve") in ("preserve", "lsq")
         and not getattr(codec, "gain_search", False)  # the kernel has no gain search
+        and getattr(codec, "quantizer", "scalar") == "scalar"  # no TCQ (trellis) kernels
         and codec.rotation.uses_hadamard and 32 <= d <= 1024 and (d & (d - 1)) == 0
     )
 
@@ -404,20 +459,47 @@ def _decode_attention(queries, window_keys, window_values, cache, scale, window_
     if window_mask is None:
         out = post(q, out_p, lse_p, window_keys, window_values, km, vm)
         return out.astype(queries.dtype)
-    # masked window (rare in decode): same math, uncompiled
-    from .attention import _apply
-
-    R = G * L
+    # masked window: prefill chunks (tiled kernel) or a masked decode step
     lse_p = lse_p[..., None] + q @ km[..., None]
     packed_out = vrot.inverse(out_p) + vm[:, :, None, :]
-    scores = q @ window_keys.astype(mx.float32).swapaxes(-1, -2)
-    scores = _apply(scores.reshape(B, H_kv, G, L, W), window_mask).reshape(B, H_kv, R, W)
-    lse_w = mx.logsumexp(scores, axis=-1, keepdims=True)
-    out_w = mx.exp(scores - lse_w) @ window_values.astype(mx.float32)
+    lse_w, out_w = _window_attention(q, window_keys, window_values, window_mask, G, L)
     m = mx.maximum(lse_p, lse_w)
     a, b = mx.exp(lse_p - m), mx.exp(lse_w - m)
     out = (a * packed_out + b * out_w) / (a + b)
     return out.reshape(B, H_q, L, -1).astype(queries.dtype)
+
+
+WINDOW_SCORES_BYTES = 32 << 20  # float32 scores of one block of window queries
+
+
+def _window_attention(q, window_keys, window_values, window_mask, G: int, L: int):
+    """Exact attention of ``q`` [B, H_kv, G*L, D] (rows g*L + l) over the
+    window with its mask, as (log-sum-exp, output) per row, walked over
+    blocks of query positions so the float32 scores of a prefill chunk
+    (2048 queries x 2k window x 32 heads = 0.5 GB) never exist at once:
+    at most ``WINDOW_SCORES_BYTES`` per block."""
+    from .attention import _apply
+
+    B, H_kv, R, D = q.shape
+    W = window_keys.shape[2]
+    kT = window_keys.astype(mx.float32).swapaxes(-1, -2)[:, :, None]
+    vw = window_values.astype(mx.float32)[:, :, None]
+    q5 = q.reshape(B, H_kv, G, L, D)
+    step = max(1, WINDOW_SCORES_BYTES // max(1, 4 * B * H_kv * G * W))
+    lses, outs = [], []
+    for l0 in range(0, L, step):
+        l1 = min(L, l0 + step)
+        scores = q5[:, :, :, l0:l1] @ kT
+        mask = window_mask
+        if mask is not None and mask.ndim >= 2 and mask.shape[-2] == L:
+            mask = mask[..., l0:l1, :]
+        scores = _apply(scores, mask)
+        lse = mx.logsumexp(scores, axis=-1, keepdims=True)
+        lses.append(lse)
+        outs.append(mx.exp(scores - lse) @ vw)
+    lse_w = lses[0] if len(lses) == 1 else mx.concatenate(lses, axis=3)
+    out_w = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=3)
+    return lse_w.reshape(B, H_kv, R, 1), out_w.reshape(B, H_kv, R, -1)
 
 
 def _prefill_attention(queries, window_keys, window_values, cache, scale, mask):
@@ -458,6 +540,8 @@ def kernel_supported(queries: mx.array, window_keys: mx.array, cache) -> bool:
         and window_keys.shape[-1] == D
         and D in (64, 128, 256)
         and getattr(cache.key_codec, "dim", D) == D
+        and getattr(cache.key_codec, "quantizer", "scalar") == "scalar"  # kernels decode
+        and getattr(cache.value_codec, "quantizer", "scalar") == "scalar"  # scalar codes only
     )
 
 
@@ -493,9 +577,11 @@ def turboquant_attention(
 ) -> mx.array:
     """Drop-in for ``turboquant.attention.turboquant_attention`` using the kernels.
 
-    Few query rows per kv head (decode) run the split-K kernel; many rows
-    (prefill chunks) or a mask that reaches into the packed history run
-    dequantize + SDPA while its temporary fits ``prefill_dequant_limit()``,
+    On CUDA the tensor-core kernel serves decode and prefill chunks alike
+    (query rows in tiles of 16, read straight from the packed codes).
+    Elsewhere few query rows per kv head (decode) run the split-K SIMT
+    kernel; many rows (prefill chunks) or a mask that reaches into the packed
+    history run dequantize + SDPA while its temporary fits ``prefill_dequant_limit()``,
     and the blockwise reference path beyond that.  Falls back to the reference path when the kernels are
     off (``TQ_KERNELS``), there is no packed history, or the shape is not
     covered.
@@ -510,7 +596,12 @@ def turboquant_attention(
     H_kv, W = window_keys.shape[1], window_keys.shape[2]
     packed_mask, window_mask = attention._split_mask(mask, L, cache.packed_len, W)
     rows = (H_q // H_kv) * L
-    if packed_mask is not None or rows > prefill_rows() or decode_config(D, rows, B * H_kv, 1) is None:
+    # The tensor-core kernel tiles any number of query rows (prefill chunks
+    # too) straight from the packed codes: no dequantized history at all.
+    tiled = packed_mask is None and decode_impl(D) == "tc"
+    if not tiled and (
+        packed_mask is not None or rows > prefill_rows() or decode_config(D, rows, B * H_kv, 1) is None
+    ):
         if prefill_dequant_bytes(queries, window_keys, cache) > prefill_dequant_limit():
             return attention.turboquant_attention(
                 queries, window_keys, window_values, cache, scale, mask, sinks
