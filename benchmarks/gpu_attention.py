@@ -197,19 +197,19 @@ def bench_decode_variants(n, results):
     cs = [c0] + [tq_cache(n, 3.5, seed=i + 1) for i in range(copies_for(c0.nbytes) - 1)]
     print(f"\n== tensor-core decode kernel launch shapes at {n} tokens, 3.5-bit")
     best = None
-    for nw in (4, 8):
-        for blocks in (264, 396, 528, 792, 1056, 2112):
-            os.environ.update(TQ_TC_NW=str(nw), TQ_TC_BLOCKS=str(blocks))
+    for nw, minb in ((4, 0), (8, 2)):
+        for blocks in (264, 396, 792):
+            os.environ.update(TQ_TC_NW=str(nw), TQ_TC_BLOCKS=str(blocks), TQ_TC_MINBLOCKS=str(minb))
             try:
                 t = timeit([tq_decode_fn(c, q_rot) for c in cs], repeats=5)
             except Exception as e:  # noqa: BLE001
-                print(f"  NW={nw} blocks={blocks}: failed {e}")
+                print(f"  NW={nw} minblocks={minb} blocks={blocks}: failed {e}")
                 continue
-            print(f"  NW={nw} blocks={blocks:>4}: {t * 1e3:.4f} ms")
-            results.setdefault("variants", {})[f"{n}/{nw}/{blocks}"] = t
+            print(f"  NW={nw} minblocks={minb} blocks={blocks:>4}: {t * 1e3:.4f} ms")
+            results.setdefault("variants", {})[f"{n}/{nw}/{minb}/{blocks}"] = t
             if best is None or t < best[0]:
-                best = (t, nw, blocks)
-    for key in ("TQ_TC_NW", "TQ_TC_BLOCKS"):
+                best = (t, nw, minb, blocks)
+    for key in ("TQ_TC_NW", "TQ_TC_BLOCKS", "TQ_TC_MINBLOCKS"):
         os.environ.pop(key, None)
     return best
 
@@ -350,8 +350,8 @@ def main() -> int:
     if args.sweep not in ("", "none"):
         best = bench_decode_variants(parse_len(args.sweep), results)
         if best:
-            _, nw, blocks = best
-            print(f"  best: NW={nw} blocks={blocks} (defaults NW=4 blocks=528; tables below use the defaults)")
+            _, nw, minb, blocks = best
+            print(f"  best: NW={nw} minblocks={minb} blocks={blocks} (the tables below use the defaults)")
             results["best_variant"] = best
     bench_decode([parse_len(s) for s in args.lengths.split(",") if s], results, bw)
     bench_append(parse_len("32k"), results)

@@ -20,16 +20,16 @@ export MLX_PTX_CACHE_DIR=/tmp/mlx-ptx
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv 2>&1 | tee "$OUT/gpu.txt"
 python3 -c 'import mlx.core as mx; print(mx.__version__, mx.default_device(), mx.cuda.is_available())' 2>&1 | tee -a "$OUT/gpu.txt"
 if [ "$what" = all ] || [ "$what" = tests ] || [ "$what" = tb ]; then
-  timeout 280 python3 -m pytest -q -p no:cacheprovider -n 8 -m gpu tests/test_kernels.py 2>&1 \
+  timeout 240 python3 -m pytest -q -p no:cacheprovider -n 8 -m gpu tests/test_kernels.py 2>&1 \
     | tee "$OUT/tests.log" | tail -60
 fi
 if [ "$what" = all ] || [ "$what" = bench ] || [ "$what" = tb ]; then
-  timeout 330 python3 benchmarks/gpu_attention.py --json "$OUT/bench.json" ${BENCH_ARGS:-} 2>&1 \
+  timeout 300 python3 benchmarks/gpu_attention.py --json "$OUT/bench.json" ${BENCH_ARGS:-} 2>&1 \
     | tee "$OUT/bench.log"
 fi
 if [ "$what" = all ] || [ "$what" = profile ]; then
   NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
-  timeout 150 $NCU --clock-control none -k regex:tq_decode_[0-9a-f] --launch-count 1 \
+  timeout 120 $NCU --clock-control none -k regex:tq_decode_tc_[0-9a-f] --launch-count 1 \
     --section SchedulerStats --section WarpStateStats --section Occupancy --section SpeedOfLight \
     --section LaunchStats python3 benchmarks/profile_decode.py 2>&1 | tee "$OUT/ncu.txt" | tail -80
 fi

@@ -10,7 +10,7 @@
 #define TQ_BARRIER() __syncthreads()
 #define TQ_SHFL_XOR(x, m) __shfl_xor_sync(0xffffffffu, (x), (m))
 #define TQ_ANY(p) __any_sync(0xffffffffu, (p))
-#define TQ_EXP2(x) exp2f(x)
+#define TQ_EXP2(x) tq_ex2(x)
 #define TQ_LOG2(x) log2f(x)
 #define TQ_SQRT(x) sqrtf(x)
 #define TQ_FMAX(a, b) fmaxf((a), (b))
@@ -19,6 +19,14 @@
 #define TQ_TO_FLOAT(x) static_cast<float>(x)
 #define TQ_TO_HALF(x) __float2half_rn(x)
 typedef unsigned long long tq_u64;
+// 2^x as one MUFU.EX2 (flush-to-zero approx, ~2 ulp): exp2f adds a
+// denormal range fix-up (compare, two multiplies) around it, and softmax
+// weights below 2^-126 are zero to float accuracy anyway.
+__device__ __forceinline__ float tq_ex2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
 
 // --- tensor-core decode (tq_decode_tc.inc, CUDA only) ---------------------
 // (cuda_fp16.h: included by MLX's JIT preamble)
@@ -34,6 +42,14 @@ __device__ __forceinline__ unsigned int tq_pack_half_bits(T a, T b) {
 }
 __device__ __forceinline__ float2 tq_unpack_half2(unsigned int u) {
   return __half22float2(*reinterpret_cast<__half2*>(&u));
+}
+// Byte i (0..3) of x, zero-extended: one PRMT.
+__device__ __forceinline__ unsigned int tq_byte(unsigned int x, int i) {
+  return __byte_perm(x, 0u, 0x4440u | (unsigned int)i);
+}
+// 32-bit shared-memory read at a byte offset from a shared array.
+__device__ __forceinline__ unsigned int tq_lds(const unsigned int* smem_array, unsigned int byte_off) {
+  return *reinterpret_cast<const unsigned int*>(reinterpret_cast<const char*>(smem_array) + byte_off);
 }
 // Low 32 bits of (hi:lo) >> sh, 0 <= sh < 32.
 __device__ __forceinline__ unsigned int tq_funnel(unsigned int lo, unsigned int hi, int sh) {
@@ -60,4 +76,15 @@ __device__ __forceinline__ void tq_mma16816(float (&c)[4], unsigned int a0, unsi
       "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+// The same with rows g+8 of A zero and their results dropped (decode: <= 8
+// query rows): the accumulator needs 2 registers instead of 4.
+__device__ __forceinline__ void tq_mma16816_top(float (&c)[4], unsigned int a0, unsigned int a2,
+                                                unsigned int b0, unsigned int b1) {
+  float d2, d3;
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+      "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%10,%10};\n"
+      : "+f"(c[0]), "+f"(c[1]), "=f"(d2), "=f"(d3)
+      : "r"(a0), "r"(0u), "r"(a2), "r"(0u), "r"(b0), "r"(b1), "f"(0.0f));
 }

@@ -194,6 +194,24 @@ def test_glue_matches_reference_on_cpu(monkeypatch, L, mask):
     assert _rel(out, ref) < 1e-5
 
 
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_pair_table_layout(bits):
+    """Entry e = i0 | i1 << bits, copy c sits at e * copies + c and holds
+    half2(c[i0], c[i1]) with c[i0] in the low 16 bits (the lower mma index)."""
+    cents = codebook(bits, 128).centroids_mx()
+    table = np.asarray(kernels._pair_table(cents, bits))
+    copies = 16 if bits == 4 else 32
+    assert table.shape == ((1 << (2 * bits)) * copies,)
+    c16 = np.asarray(cents).astype(np.float16)
+    for e in (0, 1, (1 << (2 * bits)) - 1, 5 % (1 << (2 * bits))):
+        for c in (0, copies - 1):
+            w = int(table[e * copies + c])
+            lo = np.array([w & 0xFFFF], np.uint16).view(np.float16)[0]
+            hi = np.array([w >> 16], np.uint16).view(np.float16)[0]
+            assert lo == c16[e & ((1 << bits) - 1)] and hi == c16[e >> bits]
+    assert kernels._pair_table(cents, bits) is kernels._pair_table(cents, bits)  # built once
+
+
 def test_window_attention_in_blocks_equals_one_block(monkeypatch):
     """Prefill chunks attend to their exact window in blocks of query
     positions (bounded float32 scores); the blocks must not change the result."""
@@ -333,6 +351,9 @@ def test_tiled_prefill_holds_no_dequantized_history(monkeypatch):
     q = mx.random.normal((1, h_kv * g, L, d)).astype(mx.float16)
     mx.eval(wk, wv, q)
     dequantized = 2 * h_kv * cache.packed_len * d * 2  # fp16 keys + values
+    monkeypatch.setattr(kernels, "WINDOW_SCORES_BYTES", 8 << 20)  # the chunk's own scores, blocked
+    mx.eval(kernels.turboquant_attention(q, wk, wv, cache, d**-0.5, "causal"))  # one-time allocations
+    mx.synchronize()
     mx.reset_peak_memory()
     before = mx.get_active_memory()
     out = kernels.turboquant_attention(q, wk, wv, cache, d**-0.5, "causal")

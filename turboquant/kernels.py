@@ -44,7 +44,7 @@ MODES = ("auto", "gpu", "reference")
 # name -> (input names, output names)
 _SIGNATURES = {
     "tq_decode": (["q", "kp", "kn", "vp", "vn", "kcb", "vcb", "meta"], ["po", "pm", "pl"]),
-    "tq_decode_tc": (["q", "kp", "kn", "vp", "vn", "kcb", "vcb", "meta"], ["po", "pm", "pl"]),
+    "tq_decode_tc": (["q", "kp", "kn", "vp", "vn", "klut_g", "vlut_g", "meta"], ["po", "pm", "pl"]),
     "tq_decode_reduce": (["po", "pm", "pl", "meta"], ["out", "lse"]),
     "tq_dequant": (["packed", "norms", "cb", "mean", "meta"], ["out"]),
     "tq_quantize": (["x", "signs", "bounds", "cents"], ["packed", "norms"]),
@@ -118,8 +118,9 @@ def kernel_source(name: str, be: str) -> tuple[str, str]:
 
 
 @lru_cache(maxsize=None)
-def _kernel(name: str, be: str):
+def _kernel(name: str, be: str, prelude: str = ""):
     header, body = kernel_source(name, be)
+    header = header + prelude
     inputs, outputs = _SIGNATURES[name]
     # MLX caches compiled CUDA modules on disk by kernel name (+ template
     # args): put a hash of the source in the name so an edited source is
@@ -132,11 +133,27 @@ def _kernel(name: str, be: str):
     )
 
 
-def _launch(name: str, **kw):
+def _launch(name: str, prelude: str = "", **kw):
     be = backend()
     if be is None:
         raise RuntimeError(f"{name}: no GPU backend (Metal or CUDA) in this MLX build")
-    return _kernel(name, be)(**kw)
+    return _kernel(name, be, prelude)(**kw)
+
+
+def _launch_bounds(threads: int, min_blocks: int) -> str:
+    """CUDA ``__launch_bounds__`` for the next kernel signature.
+
+    ``mx.fast.cuda_kernel`` generates the ``__global__`` signature itself and
+    takes no register limit, so the header (pasted just before it) redefines
+    ``__global__`` for this one NVRTC module.  ``min_blocks`` resident
+    threadgroups per SM cap the registers (4 x 128 threads -> 128 registers).
+    """
+    if min_blocks <= 0:
+        return ""
+    return (
+        "\n#ifdef __global__\n#undef __global__\n#endif\n"
+        f"#define __global__ __location__(global) __launch_bounds__({threads}, {min_blocks})\n"
+    )
 
 
 # --------------------------------------------------------------------------
@@ -212,8 +229,9 @@ def tc_config(d: int, rows: int, b_hkv: int, n: int) -> dict:
 
     A threadgroup serves one tile of up to 16 query rows (``GL``) of one kv
     head with ``NW`` warps; tokens are split so that about
-    ``TQ_TC_BLOCKS`` threadgroups (default 528 = 4 per H200 SM: 167
-    registers x 128 threads allow 3) cover the GPU.  Prefill chunks bring
+    ``TQ_TC_BLOCKS`` threadgroups cover the GPU (default 396: one full wave
+    of 3 per SM on the H200's 132 SMs -- ~150 registers x 128 threads allow 3;
+    best of the launch-shape sweep in docs/benchmarks.md).  Prefill chunks bring
     many row tiles and need no token split.
     """
     gl = min(rows, 16)
@@ -222,11 +240,40 @@ def tc_config(d: int, rows: int, b_hkv: int, n: int) -> dict:
     if gl > 8:
         nw = min(nw, 4)  # shared-memory budget of the 16-row reduction
     step = 16 * nw
-    target = int(os.environ.get("TQ_TC_BLOCKS", 528))
+    target = int(os.environ.get("TQ_TC_BLOCKS", 396))
     splits = max(1, -(-target // max(1, b_hkv * rt)))
-    toks = max(step, -(-n // splits))
+    toks = max(4 * step, -(-n // splits))  # >= 4 tiles per warp: the table copy amortizes
     toks = -(-toks // step) * step
-    return {"GL": gl, "RT": rt, "NW": nw, "TOKS": toks, "S": -(-n // toks)}
+    minb = int(os.environ.get("TQ_TC_MINBLOCKS", -1))
+    if minb < 0:
+        minb = 0
+    return {"GL": gl, "RT": rt, "NW": nw, "TOKS": toks, "S": -(-n // toks), "MINB": minb}
+
+
+_PAIR_TABLES: dict = {}
+
+
+def _pair_table(centroids: mx.array, bits: int) -> mx.array:
+    """The tensor-core kernel's codebook pair table, replicated for its
+    shared memory: entry ``e = i0 | i1 << bits`` holds half2(c[i0], c[i1])
+    (raw uint32 bits), stored ``copies`` times side by side (32, or 16 for
+    256 entries) so each lane reads its own bank.  Built once per codebook
+    array on the host; every threadgroup copies it with 16-byte loads."""
+    key = (id(centroids), bits)
+    hit = _PAIR_TABLES.get(key)
+    if hit is not None and hit[0] is centroids:
+        return hit[1]
+    import numpy as np
+
+    c = np.asarray(centroids.astype(mx.float32)).astype(np.float16).view(np.uint16).astype(np.uint32)
+    e = np.arange(1 << (2 * bits))
+    pairs = c[e & ((1 << bits) - 1)] | (c[e >> bits] << 16)
+    copies = 16 if len(e) >= 256 else 32
+    table = mx.array(np.repeat(pairs, copies).astype(np.uint32))
+    if len(_PAIR_TABLES) > 4096:  # ~24 KB each; one per codec in practice
+        _PAIR_TABLES.clear()
+    _PAIR_TABLES[key] = (centroids, table)  # holds the array: its id stays unique
+    return table
 
 
 def decode(
@@ -256,12 +303,13 @@ def decode(
     q = _f32(q_rot)
     inputs = [q, keys_packed, keys_norms, values_packed, values_norms,
               _f32(key_centroids), _f32(value_centroids)]
-    if decode_impl(D) == "tc":
+    if decode_impl(D) == "tc" and cap % 2 == 0:  # (norm pairs load as one word)
         cfg = tc_config(D, R, B * H, n)
         S, NW = cfg["S"], cfg["NW"]
         meta = _meta(n, cap, cfg["TOKS"], H, S, R, cfg["RT"])
+        tables = [_pair_table(key_centroids, key_bits), _pair_table(value_centroids, value_bits)]
         po, pm, pl = _launch(
-            "tq_decode_tc", inputs=inputs + [meta],
+            "tq_decode_tc", prelude=_launch_bounds(NW * 32, cfg["MINB"]), inputs=inputs[:5] + tables + [meta],
             template=[("D", D), ("BK", key_bits), ("BV", value_bits), ("GL", cfg["GL"]), ("NW", NW)],
             grid=(S * NW * 32, H * cfg["RT"], B), threadgroup=(NW * 32, 1, 1),
             output_shapes=[(B, H, S, R, D), (B, H, S, R), (B, H, S, R)],
@@ -371,7 +419,9 @@ def supports_quantize(codec) -> bool:
 
 
 def _centroids(codec) -> mx.array:
-    return codec.centroids.astype(mx.float32)
+    # the codec's own array (not a fresh astype copy): the tensor-core
+    # kernel's pair tables are cached per codebook array
+    return _f32(codec.centroids)
 
 
 def _full_mask(mask, n_packed: int, n_window: int, L: int):
@@ -497,6 +547,11 @@ def _window_attention(q, window_keys, window_values, window_mask, G: int, L: int
         lse = mx.logsumexp(scores, axis=-1, keepdims=True)
         lses.append(lse)
         outs.append(mx.exp(scores - lse) @ vw)
+        if l1 < L:
+            # MLX would otherwise run the independent blocks side by side
+            # and hold every block's scores at once (measured: 1.2 GB for a
+            # 2048-token chunk); evaluating keeps one block alive.
+            mx.eval(lses[-1], outs[-1])
     lse_w = lses[0] if len(lses) == 1 else mx.concatenate(lses, axis=3)
     out_w = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=3)
     return lse_w.reshape(B, H_kv, R, 1), out_w.reshape(B, H_kv, R, -1)
