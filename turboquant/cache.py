@@ -20,6 +20,15 @@ from every token seen at the first quantization.  Real keys carry large
 per-channel offsets; removing them shrinks the norms the codec has to spend
 its bits on.  It is exact for attention: the packed scores get ``q·mean_k``
 back (one dot per query row) and the packed value sum gets ``mass·mean_v``.
+Each channel's mean is shrunk toward 0 by positive-part James-Stein
+(``shrunk_mean``): on zero-mean data the estimate from the first tokens is
+pure noise, and centring on it biased the attention average (the lsq
+reconstruction shrinks values toward the stored mean; 1.12x the peer's error
+at 2 bits on Gaussian K/V before the shrink, docs/benchmarks.md).
+
+Quantizer: ``"scalar"`` (Lloyd-Max per coordinate, the GPU kernels' layout)
+or ``"tcq"`` (``trellis.TrellisCodec``: same words and bytes, indices chosen
+by a Viterbi search, ~0.7x the unit-vector MSE; reference path only).
 
 Storage grows geometrically (x1.5, rounded up to ``step`` tokens) or exactly
 to ``reserve(n)``, so appending ``n`` tokens costs O(n) copies in total.
@@ -44,7 +53,31 @@ from . import kernels
 from .codec import TurboQuantCodec
 from .packing import packed_words
 from .rotation import HadamardRotation
+from .trellis import TrellisCodec
 from .widths import resolve_bits
+
+QUANTIZERS = ("scalar", "tcq")
+
+
+def shrunk_mean(x: mx.array, axis: int = 2) -> mx.array:
+    """Per-channel mean of ``x`` over ``axis`` (keepdims), shrunk toward 0.
+
+    Positive-part James-Stein per channel: ``m * max(0, 1 - var / (n m²))``
+    with ``var`` the channel's sample variance over the ``n`` tokens.  A mean
+    that is within noise of zero (zero-mean data, ``m² ~ var/n``) is mostly
+    dropped: centring on a noisy estimate would only bias the attention
+    average toward it (the lsq reconstruction shrinks values toward the stored
+    mean).  Real offsets (``|m| >> sigma/sqrt(n)``, e.g. outlier channels)
+    are kept almost whole.
+    """
+    x = x.astype(mx.float32)
+    n = x.shape[axis]
+    m = mx.mean(x, axis=axis, keepdims=True)
+    if n < 2:
+        return m
+    var = mx.var(x, axis=axis, keepdims=True, ddof=1)
+    shrink = mx.maximum(1.0 - var / mx.maximum(n * m * m, 1e-30), 0.0)
+    return m * shrink
 
 class TurboQuantKVCache(_BaseCache):
     """mlx-lm/mlx-vlm KV cache with TurboQuant-compressed history.
@@ -54,6 +87,9 @@ class TurboQuantKVCache(_BaseCache):
         key_bits / value_bits: override either side (1..4 bits).
         window: number of most recent tokens kept exact (model dtype).
         seed: rotation seed; ``make_prompt_cache`` passes base seed + layer.
+        quantizer: ``"scalar"`` (Lloyd-Max, ``codec.TurboQuantCodec``; the GPU
+            kernels' layout) or ``"tcq"`` (trellis-coded, ``trellis.TrellisCodec``:
+            same bytes, lower error, slower to quantize, reference path only).
     """
 
     step = 256  # capacity granularity in tokens
@@ -67,7 +103,13 @@ class TurboQuantKVCache(_BaseCache):
         value_bits: int | None = None,
         window: int = 128,
         seed: int = 0,
+        quantizer: str = "scalar",
     ):
+        if quantizer not in QUANTIZERS:
+            raise ValueError(
+                f"TurboQuantKVCache: quantizer={quantizer!r}; choose one of {QUANTIZERS}"
+            )
+        self.quantizer = quantizer
         if window < 0:
             raise ValueError(f"TurboQuantKVCache: window must be >= 0, got {window}")
         self.key_bits, self.value_bits = resolve_bits(kv_bits, key_bits, value_bits)
@@ -102,8 +144,9 @@ class TurboQuantKVCache(_BaseCache):
         self.value_rotation = (
             self.rotation if v_dim == k_dim else HadamardRotation(v_dim, self.seed)
         )
-        self.key_codec = TurboQuantCodec(k_dim, self.key_bits, self.rotation)
-        self.value_codec = TurboQuantCodec(v_dim, self.value_bits, self.value_rotation)
+        codec = TrellisCodec if self.quantizer == "tcq" else TurboQuantCodec
+        self.key_codec = codec(k_dim, self.key_bits, self.rotation)
+        self.value_codec = codec(v_dim, self.value_bits, self.value_rotation)
 
     @property
     def capacity(self) -> int:
@@ -176,10 +219,9 @@ class TurboQuantKVCache(_BaseCache):
         if self.key_mean is None:
             # All tokens seen so far: the best estimate available at the
             # moment the first token is quantized, fixed from then on.
-            self.key_mean = mx.mean(self.window_keys.astype(mx.float32), axis=2, keepdims=True)
-            self.value_mean = mx.mean(
-                self.window_values.astype(mx.float32), axis=2, keepdims=True
-            )
+            # (shrunk toward 0 where it is within noise, see shrunk_mean).
+            self.key_mean = shrunk_mean(self.window_keys, axis=2)
+            self.value_mean = shrunk_mean(self.window_values, axis=2)
         old_k = self.window_keys[:, :, :excess].astype(mx.float32) - self.key_mean
         old_v = self.window_values[:, :, :excess].astype(mx.float32) - self.value_mean
         # The fused quantize kernel on a GPU, the codec (reference) elsewhere.
@@ -310,7 +352,7 @@ class TurboQuantKVCache(_BaseCache):
     @state.setter
     def state(self, v) -> None:
         v = tuple(v)
-        if len(v) == 2 * len(self._ARRAYS):
+        if len(v) > len(self._ARRAYS):  # arrays + meta strings (8 or 9)
             self.meta_state = v[len(self._ARRAYS) :]
             v = v[: len(self._ARRAYS)]
         if len(v) != len(self._ARRAYS):
@@ -330,13 +372,21 @@ class TurboQuantKVCache(_BaseCache):
             str(x)
             for x in (
                 self.key_bits, self.value_bits, self.window, self.seed,
-                self.offset, self.packed_len, dims[0], dims[1],
+                self.offset, self.packed_len, dims[0], dims[1], self.quantizer,
             )
         )
 
     @meta_state.setter
     def meta_state(self, v) -> None:
-        kb, vb, window, seed, offset, packed_len, k_dim, v_dim = (int(x) for x in v)
+        v = tuple(v)
+        # caches saved before the quantizer field have 8 entries: scalar
+        quantizer = str(v[8]) if len(v) > 8 else "scalar"
+        if quantizer not in QUANTIZERS:
+            raise ValueError(
+                f"TurboQuantKVCache: saved quantizer {quantizer!r}; expected one of {QUANTIZERS}"
+            )
+        self.quantizer = quantizer
+        kb, vb, window, seed, offset, packed_len, k_dim, v_dim = (int(x) for x in v[:8])
         self.key_bits, self.value_bits, self.window, self.seed = kb, vb, window, seed
         self.offset, self.packed_len = offset, packed_len
         self.reallocations, self._reserved = 0, 0

@@ -77,6 +77,8 @@ def _index_fn(boundaries: list[float]):
 class TurboQuantCodec:
     """Quantize vectors of size ``dim`` to ``bits`` per coordinate (+ a float16 norm)."""
 
+    quantizer = "scalar"  # vs "tcq" (turboquant.trellis.TrellisCodec), same bytes
+
     def __init__(
         self, dim: int, bits: int, rotation: HadamardRotation | None = None,
         norm_mode: str = "lsq", gain_search: bool = False,
@@ -136,6 +138,17 @@ class TurboQuantCodec:
         idx = self._index(v)
         c = self.centroids[idx]
         return idx, (u * c).sum(axis=-1), (c * c).sum(axis=-1)
+
+    @property
+    def code_key(self) -> tuple:
+        """How the words decode (``turboquant.attention`` keys its compiled steps on it)."""
+        return ("scalar", self.bits, self.dim)
+
+    def unit_codes(self, words: mx.array) -> mx.array:
+        """Unit-scale rotated-domain reconstruction float32 [..., dim] (select-tree lookup)."""
+        from .attention import _codes
+
+        return _codes(words, self.bits, self.dim)
 
     def dequantize_rotated(self, packed: mx.array, norms: mx.array) -> mx.array:
         """float32 [..., dim] reconstruction in the rotated domain."""

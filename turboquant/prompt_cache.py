@@ -15,7 +15,7 @@ from typing import Any, Optional
 
 import mlx.nn as nn
 
-from .cache import TurboQuantKVCache
+from .cache import QUANTIZERS, TurboQuantKVCache
 from .integration import install
 from .widths import resolve_bits
 
@@ -82,6 +82,7 @@ def make_prompt_cache(
     window: int = 128,
     affine_group_size: int = 64,
     max_kv_size: Optional[int] = None,
+    quantizer: str = "scalar",
 ) -> list[Any]:
     """Per-layer caches for ``model`` with the requested KV compression.
 
@@ -90,6 +91,8 @@ def make_prompt_cache(
     the attention hook (``integration.install``).  ``"affine"``: mlx's
     ``QuantizedKVCache(affine_group_size, int(kv_bits))`` on the same layers.
     ``"fp16"``: the model's own caches (the baseline; the model's dtype).
+    ``quantizer`` (turboquant only): ``"scalar"`` (Lloyd-Max) or ``"tcq"``
+    (trellis-coded, same bytes; see ``turboquant.trellis``).
     """
     if kv_quant_scheme not in SCHEMES:
         raise ValueError(
@@ -117,6 +120,10 @@ def make_prompt_cache(
         return caches
 
     resolve_bits(kv_bits, key_bits, value_bits)  # fail early with a clear message
+    if quantizer not in QUANTIZERS:
+        raise ValueError(
+            f"make_prompt_cache: unknown quantizer={quantizer!r}; choose one of {', '.join(QUANTIZERS)}"
+        )
     if layers:
         bad = _direct_sdpa_modules(model)
         if bad:
@@ -129,6 +136,7 @@ def make_prompt_cache(
         install()
     for i in layers:
         caches[i] = TurboQuantKVCache(
-            kv_bits, key_bits=key_bits, value_bits=value_bits, window=window, seed=seed + i
+            kv_bits, key_bits=key_bits, value_bits=value_bits, window=window, seed=seed + i,
+            quantizer=quantizer,
         )
     return caches

@@ -1,0 +1,385 @@
+"""Trellis-coded quantization (TCQ) of the rotated unit direction.
+
+Why: with the TurboQuant layout (b-bit index per rotated coordinate + one
+float16 scale per vector) a scalar Lloyd-Max quantizer is the best one can
+do coordinate by coordinate, and on Gaussian-like data our cache then only
+matches mlx-vlm's (same codebook, rotation and bytes).  A trellis-coded
+quantizer spends the SAME b bits per coordinate but lets each coordinate's
+codebook depend on the previous choices, which buys the ~1-1.4 dB granular
+gain a scalar quantizer cannot reach (Marcellin & Fischer 1990): MSE x~0.75
+on memoryless Gaussian sources at 256 states.
+
+Layout, chosen so that DECODING is parallel and cheap (no sequential state
+machine, no gathers):
+
+* the stored index ``idx_i`` (b bits, the same packing, words and float16
+  scale as the scalar codec, so bytes are identical) is ``(w_i << 1) | b_i``;
+  ``b_i = idx_i & 1`` is the *branch bit*;
+* the trellis state before coordinate ``i`` is the last ``nu`` branch bits
+  ``s_i = (b_{i-1}, ..., b_{i-nu})`` (bit ``j-1`` of ``s_i`` is ``b_{i-j}``;
+  ``b_j = 0`` for ``j < 0``: zero start, no tail, no rate loss) -- a
+  "bitshift" trellis, ``s_{i+1} = ((s_i << 1) | b_i) mod 2^nu``;
+* the parity ``p_i = popcount(h & s_i) mod 2`` for a fixed tap mask ``h``,
+  i.e. the XOR of a few shifted copies of the branch-bit sequence;
+* the unit-scale reconstruction is ``C[2 * idx_i + p_i]`` with ``C`` a
+  union codebook of ``2^(b+1)`` levels (level ``j`` is in subset ``j mod 4``;
+  the parity picks the superset ``{p, p+2}``, the branch bit the subset,
+  ``w`` the level inside it).  ``C`` is sorted for b = 2..4; each subset is
+  always ascending, which is all the encoder needs (training left b = 1 with
+  two near-zero levels out of order).
+
+* minus a fixed per-position offset at the first ``nu`` positions
+  (``START_OFFSETS``): the zero start state restricts those positions to
+  lopsided supersets (position 0 only ever sees superset 0), so their error
+  had a nonzero mean, the SAME for every vector.  Random errors shrink in an
+  attention sum over T tokens, a common bias does not: it cost ~20% of the
+  2-bit attention error on Gaussian K/V at T=4096 before the offsets.  The
+  encoder quantizes ``u + offset`` so the search stays exact.
+
+Why this trellis: a feed-forward shift register makes the state a pure
+function of the stored bits, so the decoder never runs the trellis; the
+zero start state costs no rate (no tail bits); the union codebook with four
+subsets is Ungerboeck's set partitioning, which is what gives TCQ its gain.
+Measured at d=128 (unit vectors, lsq scale, ``python -m turboquant.bench``):
+MSE 0.72x / 0.68x / 0.67x the scalar Lloyd-Max codec at b = 2 / 3 / 4.
+
+A decoder therefore unpacks, XORs shifted branch bits and does a (b+1)-bit
+select-tree lookup: a few elementwise ops more than the scalar codec, and
+independent of ``nu`` (only the encoder's Viterbi search grows with 2^nu).
+
+Encoder: Viterbi over the 2^nu states.  Per coordinate the best level and
+its distortion in each of the four subsets are found once (they do not
+depend on the state); each trellis step is then adds/mins over [N, 2^nu].
+The backpointers ([d, N, 2^nu] bools) bound the batch size.  The scale is
+then computed exactly as the scalar codec does (``norm_mode``).
+
+The union codebooks are trained by generalized Lloyd (Viterbi-encode, move
+each level to the mean of its samples) on unit-variance Gaussian sequences of
+length 128 and scaled by ``1/sqrt(dim)`` here (a coordinate of a random unit
+vector in R^dim is ~N(0, 1/dim); the per-vector least-squares scale absorbs
+the small mismatch); ``scripts/gen_trellis.py`` regenerates
+``trellis_tables.py`` and picked the tap mask (0xe5: the lowest MSE at b=2
+among the 64 odd masks with the top bit set; most masks were within 1%).
+
+Costs: quantizing is a Viterbi search, ~0.3 ms per vector of d=128 on one
+CPU core (~100x the scalar codec); decoding is ~2-3x the scalar codec's
+select-tree lookup on CPU (unpack, parity of the packed branch bits, two
+2^b-leaf select trees).  The GPU kernels do not implement it.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import mlx.core as mx
+import numpy as np
+
+from .codec import NORM_MODES, QuantizedVectors, _F16_MAX
+from .packing import pack, packed_words, unpack
+from .rotation import HadamardRotation
+
+BATCH_BYTES = 192 << 20  # most backpointer bytes alive per Viterbi batch
+
+
+def _tables():
+    from .trellis_tables import CODEBOOKS, TAPS
+
+    return CODEBOOKS, TAPS
+
+
+def parity_table(taps: int, nu: int) -> np.ndarray:
+    """p(s) = popcount(taps & s) mod 2 for every state s < 2^nu (uint8)."""
+    s = np.arange(1 << nu, dtype=np.int64) & taps
+    p = np.zeros_like(s)
+    while s.any():
+        p ^= s & 1
+        s >>= 1
+    return p.astype(np.uint8)
+
+
+@lru_cache(maxsize=None)
+def _subset_fn(n_levels: int):
+    """(u [..., d], C [n_levels]) -> (dist [..., d, 2(p), 2(b)], w [..., d, 2, 2]).
+
+    Subset ``q = 2b + p`` holds levels ``C[4w + q]`` (ascending in ``w``);
+    the nearest one is found by a chain of compares against the midpoints,
+    its value by a select chain: no gathers.  The levels are an input, not
+    constants, so training new levels does not compile new kernels.
+    """
+    n_w = n_levels // 4
+
+    def f(u, C):
+        ds, ws = [], []
+        for p in (0, 1):
+            dp, wp = [], []
+            for b in (0, 1):
+                q = 2 * b + p
+                lv = [C[4 * j + q] for j in range(n_w)]
+                w = mx.zeros(u.shape, mx.uint32)
+                val = mx.broadcast_to(lv[0], u.shape)
+                for j in range(1, n_w):
+                    above = u > 0.5 * (lv[j - 1] + lv[j])
+                    w = w + above.astype(mx.uint32)
+                    val = mx.where(above, lv[j], val)
+                e = u - val
+                dp.append(e * e)
+                wp.append(w)
+            ds.append(mx.stack(dp, axis=-1))
+            ws.append(mx.stack(wp, axis=-1))
+        return mx.stack(ds, axis=-2), mx.stack(ws, axis=-2)
+
+    return mx.compile(f)
+
+
+@lru_cache(maxsize=None)
+def _step_fn(taps: int, nu: int):
+    """One Viterbi step: (J [N, S], D [N, 2(p), 2(b)]) -> (J', bp [N, S] bool).
+
+    State s' = 2r + b has predecessors x*S/2 + r (x = 0, 1); the branch
+    costs D[p(pred), b]; bp records x (the bit that leaves the register).
+    """
+    S = 1 << nu
+    H = S // 2
+    par = parity_table(taps, nu).reshape(2, H)  # [x, r]
+    pm = mx.array(par.astype(bool))[None, :, :, None]  # [1, 2, H, 1]
+
+    def step(J, D):
+        N = J.shape[0]
+        d0 = D[:, None, None, 0, :]  # p = 0: [N, 1, 1, 2]
+        d1 = D[:, None, None, 1, :]
+        cand = J.reshape(N, 2, H, 1) + mx.where(pm, d1, d0)  # [N, 2, H, 2]
+        c0, c1 = cand[:, 0], cand[:, 1]
+        bp = c1 < c0
+        Jn = mx.minimum(c0, c1).reshape(N, S)
+        return Jn, bp.reshape(N, S)  # costs stay O(1): no renormalisation
+
+    return mx.compile(step)  # shape-specialised: reshapes use N
+
+
+_BIT = None
+
+
+def _bit_positions() -> mx.array:
+    global _BIT
+    if _BIT is None:
+        _BIT = mx.arange(32, dtype=mx.uint32)
+    return _BIT
+
+
+def parity_bits(branch: mx.array, taps: int) -> mx.array:
+    """p_i = XOR over taps t of b_{i-1-t} (zero before the start); uint32 [..., d].
+
+    The branch bits are packed 32 to a word first, so the shifts run on
+    d/32 words per vector instead of d values (4x faster than shifting the
+    unpacked bits, which is most of the TCQ decode overhead).
+    """
+    d = branch.shape[-1]
+    lead = branch.shape[:-1]
+    nw = -(-d // 32)
+    bits = _bit_positions()
+    b = branch.astype(mx.uint32) & 1
+    if nw * 32 != d:
+        b = mx.pad(b, [(0, 0)] * len(lead) + [(0, nw * 32 - d)])
+    bw = (b.reshape(*lead, nw, 32) << bits).sum(axis=-1).astype(mx.uint32)  # distinct bits: sum = OR
+    prev = mx.concatenate([mx.zeros((*lead, 1), mx.uint32), bw[..., :-1]], axis=-1)
+    acc = mx.zeros(bw.shape, mx.uint32)
+    t = 0
+    while taps >> t:
+        if (taps >> t) & 1:
+            sh = t + 1  # <= 31: nu <= 31
+            acc = acc ^ (bw << sh) ^ (prev >> (32 - sh))
+        t += 1
+    p = (acc[..., None] >> bits) & 1
+    return p.reshape(*lead, nw * 32)[..., :d]
+
+
+def viterbi(u: mx.array, levels, taps: int, nu: int, offsets=None) -> mx.array:
+    """Best index sequence (uint32 [N, d]) of rows ``u`` [N, d] for the union
+    codebook ``levels`` (2^(k+1), ascending) under the trellis (taps, nu).
+
+    Minimises sum_i (u_i - C[2 idx_i + p_i] + offsets_i)^2 exactly (tests
+    check it by brute force).  Batches rows so the backpointers stay < BATCH_BYTES.
+    """
+    if offsets is not None:
+        u = u + mx.array(np.asarray(offsets, dtype=np.float32))
+    N, d = u.shape
+    S = 1 << nu
+    batch = max(1, BATCH_BYTES // (d * S))
+    if N > batch:
+        return mx.concatenate(
+            [viterbi(u[a : a + batch], levels, taps, nu) for a in range(0, N, batch)], axis=0
+        )
+    C = mx.array(np.asarray(levels, dtype=np.float32))
+    dist, wsub = _subset_fn(C.size)(u.astype(mx.float32), C)  # [N, d, 2, 2]
+    step = _step_fn(taps, nu)
+    J = mx.full((N, S), 1e30, mx.float32)
+    J[:, 0] = 0.0  # zero start state
+    bps = []
+    for i in range(d):
+        J, bp = step(J, dist[:, i])
+        bps.append(bp)
+        if i % 32 == 31:
+            mx.eval(J, bps)
+    s = mx.argmin(J, axis=-1).astype(mx.uint32)
+    mx.eval(s, bps)
+    branch = [None] * d
+    top = nu - 1
+    for i in range(d - 1, -1, -1):
+        branch[i] = s & 1
+        x = mx.take_along_axis(bps[i], s[:, None], axis=-1)[:, 0].astype(mx.uint32)
+        s = (s >> 1) | (x << top)
+    b = mx.stack(branch, axis=-1)  # [N, d]
+    p = parity_bits(b, taps)
+    w = mx.where(
+        p.astype(mx.bool_),
+        mx.where(b.astype(mx.bool_), wsub[..., 1, 1], wsub[..., 1, 0]),
+        mx.where(b.astype(mx.bool_), wsub[..., 0, 1], wsub[..., 0, 0]),
+    )
+    return (w << 1) | b
+
+
+@lru_cache(maxsize=None)
+def _lookup(levels: tuple[float, ...]):
+    """Compiled code -> level map (a select tree over the code's bits)."""
+    n_bits = int(np.log2(len(levels)))
+
+    def lookup(code):
+        i = code.astype(mx.uint32)
+        vals = [mx.array(c, mx.float32) for c in levels]
+        for k in range(n_bits):
+            bit = ((i >> k) & 1).astype(mx.bool_)
+            vals = [mx.where(bit, vals[2 * j + 1], vals[2 * j]) for j in range(len(vals) // 2)]
+        return vals[0]
+
+    return mx.compile(lookup, shapeless=True)
+
+
+def reconstruct(idx: mx.array, levels, taps: int, offsets=None) -> mx.array:
+    """Unit-scale reconstruction C[2 idx + p] - offsets of index rows [..., d] (float32)."""
+    idx = idx.astype(mx.uint32)
+    p = parity_bits(idx & 1, taps)
+    c = _lookup(tuple(float(c) for c in levels))((idx << 1) | p)
+    if offsets is not None:
+        c = c - mx.array(np.asarray(offsets, dtype=np.float32))
+    return c
+
+
+def start_offsets(bits: int, dim: int) -> np.ndarray:
+    """Per-position reconstruction offsets [dim] (nonzero for the first STATES_LOG2)."""
+    from .trellis_tables import START_OFFSETS
+
+    off = np.zeros(dim, np.float64)
+    o = np.asarray(START_OFFSETS[bits], np.float64)[:dim]
+    off[: len(o)] = o
+    return off / np.sqrt(dim)
+
+
+def union_levels(bits: int, dim: int) -> np.ndarray:
+    """The union codebook (2^(bits+1) levels) for coordinates of unit vectors in R^dim."""
+    cbs, _ = _tables()
+    if bits not in cbs:
+        raise ValueError(f"TrellisCodec: bits must be one of {sorted(cbs)}, got {bits}")
+    return np.asarray(cbs[bits], dtype=np.float64) / np.sqrt(dim)
+
+
+def _decoder(bits: int, dim: int, levels: tuple[float, ...], taps: int,
+             offsets: tuple[float, ...] | None = None):
+    """words [..., words] -> unit-scale reconstruction float32 [..., dim]."""
+    even, odd = _lookup(tuple(levels[0::2])), _lookup(tuple(levels[1::2]))
+    off = None if offsets is None else mx.array(np.asarray(offsets, dtype=np.float32))
+
+    def decode(words: mx.array) -> mx.array:
+        idx = unpack(words, bits, dim).astype(mx.uint32)
+        p = parity_bits(idx & 1, taps).astype(mx.bool_)
+        # C[2 idx + p]: two 2^bits-leaf select trees (one 2^(bits+1)-leaf tree
+        # measured 4x slower on CPU at bits=4: it no longer fuses)
+        c = mx.where(p, odd(idx), even(idx))
+        return c if off is None else c - off
+
+    return decode
+
+
+class TrellisCodec:
+    """TCQ codec with the interface and byte layout of ``TurboQuantCodec``.
+
+    ``bits`` per coordinate (1..4) packed exactly as the scalar codec packs
+    its indices, plus the same float16 scale; only the meaning of the
+    indices differs (see the module docstring).  The GPU kernels only know
+    scalar codes, so ``turboquant.kernels`` routes a cache holding this codec
+    to the reference path (``quantizer == "tcq"``).
+    """
+
+    quantizer = "tcq"
+
+    def __init__(
+        self, dim: int, bits: int, rotation: HadamardRotation | None = None,
+        norm_mode: str = "lsq", states_log2: int | None = None,
+    ):
+        from .trellis_tables import STATES_LOG2, TAPS
+
+        if rotation is None:
+            rotation = HadamardRotation(dim, 0)
+        if rotation.dim != dim:
+            raise ValueError(f"TrellisCodec: rotation has dim {rotation.dim}, codec dim {dim}")
+        if norm_mode not in NORM_MODES:
+            raise ValueError(f"TrellisCodec: norm_mode={norm_mode!r}; choose one of {NORM_MODES}")
+        if states_log2 is None:
+            states_log2 = STATES_LOG2
+        if states_log2 != STATES_LOG2:
+            raise ValueError(
+                f"TrellisCodec: states_log2={states_log2}; the codebooks in trellis_tables.py "
+                f"were trained for {STATES_LOG2} (rerun scripts/gen_trellis.py --nu {states_log2})"
+            )
+        self.dim, self.bits, self.rotation, self.norm_mode = dim, bits, rotation, norm_mode
+        self.states_log2, self.taps = states_log2, TAPS
+        self.levels = tuple(float(v) for v in union_levels(bits, dim).astype(np.float32))
+        self.offsets = tuple(float(v) for v in start_offsets(bits, dim).astype(np.float32))
+        self.words = packed_words(dim, bits)
+        self.code_key = ("tcq", bits, dim, self.taps, self.levels, self.offsets)
+        self._decode = _decoder(bits, dim, self.levels, self.taps, self.offsets)
+
+    def __repr__(self) -> str:
+        return (f"TrellisCodec(dim={self.dim}, bits={self.bits}, norm_mode={self.norm_mode!r}, "
+                f"states_log2={self.states_log2}, taps={self.taps:#x})")
+
+    @property
+    def bytes_per_vector(self) -> int:
+        """Stored bytes per vector: packed words plus the float16 norm (= scalar codec)."""
+        return 4 * self.words + 2
+
+    def quantize(self, x: mx.array) -> QuantizedVectors:
+        """Quantize ``x`` [..., dim] (original domain)."""
+        return self.quantize_rotated(self.rotation.forward(x.astype(mx.float32)))
+
+    def quantize_rotated(self, y: mx.array) -> QuantizedVectors:
+        """Quantize already-rotated vectors ``y`` [..., dim] (Viterbi search)."""
+        if y.shape[-1] != self.dim:
+            raise ValueError(f"TrellisCodec.quantize: last axis {y.shape[-1]}, expected {self.dim}")
+        lead = y.shape[:-1]
+        y = y.astype(mx.float32).reshape(-1, self.dim)
+        norm = mx.linalg.norm(y, axis=-1)
+        u = y / mx.maximum(norm, 1e-30)[..., None]  # zero vector -> u = 0, scale 0
+        if y.shape[0] == 0:
+            idx = mx.zeros(y.shape, mx.uint32)
+        else:
+            idx = viterbi(u, self.levels, self.taps, self.states_log2, self.offsets)
+        c = reconstruct(idx, self.levels, self.taps, self.offsets)
+        dot, c_sq = (u * c).sum(axis=-1), mx.maximum((c * c).sum(axis=-1), 1e-30)
+        if self.norm_mode == "preserve":
+            scale = norm * mx.rsqrt(c_sq)
+        else:
+            scale = norm * dot / c_sq
+        scale = mx.clip(scale, -_F16_MAX, _F16_MAX).astype(mx.float16)
+        return QuantizedVectors(pack(idx, self.bits).reshape(*lead, self.words), scale.reshape(lead))
+
+    def unit_codes(self, words: mx.array) -> mx.array:
+        """Unit-scale rotated-domain reconstruction float32 [..., dim] of packed words."""
+        return self._decode(words)
+
+    def dequantize_rotated(self, packed: mx.array, norms: mx.array) -> mx.array:
+        """float32 [..., dim] reconstruction in the rotated domain."""
+        return self.unit_codes(packed) * norms.astype(mx.float32)[..., None]
+
+    def dequantize(self, packed: mx.array, norms: mx.array) -> mx.array:
+        """float32 [..., dim] reconstruction in the original domain."""
+        return self.rotation.inverse(self.dequantize_rotated(packed, norms))
