@@ -83,3 +83,17 @@ def test_make_data_outlier_has_structure():
     assert mean_norm > spread  # offsets dominate, as in real keys
     with pytest.raises(ValueError, match="unknown kind"):
         bench.make_data("nope", 8, 1, 0)
+
+
+def test_tcq_rows_same_bytes_and_lower_error(result):
+    _, r = result
+    st = r["storage_bytes_per_token_per_kv_head"]
+    for w in WIDTHS:
+        assert st[f"tcq{w}"] == st[f"ours{w}"]
+        t = r["widths"][w]["tcq"]
+        for key in ("mse", "attn_cosine", "attn_cosine_outlier", "error_ratio_vs_peer",
+                    "decode_ratio_vs_fp16"):
+            assert isinstance(t[key], float), (w, key)
+    for b in ("2", "3", "4"):
+        row = r["unit_mse"][b]
+        assert row["tcq"] < 0.85 * row["lsq"], b

@@ -25,9 +25,18 @@ compare directly:
   cache + attention path (exact window included), "sys_nowin" the same with
   window 0; "swapped" puts the extra bit of 2.5/3.5 on keys (same bytes);
   "gain search" is the codec's optional index search (same layout/decoder);
+  "tcq" is the trellis-coded quantizer (``turboquant.trellis``, same bytes)
+  with the same centring, "tcq_codec_only" without it, "sys_tcq" a
+  ``TurboQuantKVCache(quantizer="tcq")`` through the shipped attention path;
+  "ours" centres on the James-Stein-shrunk mean the cache uses,
+  "ours_rawmean" on the plain mean of the first chunk (the cache before the
+  shrink);
 * decode-attention time per token (one query, 32 query heads, 8 KV heads,
   d=128) relative to fp16 SDPA and to float32 SDPA, all in one run, as the
-  median of interleaved repetitions so machine load hits every method alike.
+  median of interleaved repetitions so machine load hits every method alike
+  (the TCQ cache for timing reuses the scalar cache's words: its decode does
+  the same work whatever the words, see ``tcq_cache_like``);
+* quantize time of the scalar and the TCQ codec on the same vectors.
 
 The peer is imported here and only here: ``turboquant`` itself never depends
 on mlx-vlm's cache.
@@ -47,8 +56,10 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import numpy as np
 
+from .cache import shrunk_mean
 from .codec import TurboQuantCodec
 from .codebooks import codebook
+from .trellis import TrellisCodec
 from .rotation import HadamardRotation
 from .widths import ALLOWED_KV_BITS, resolve_bits
 
@@ -69,11 +80,14 @@ class Config:
     timing: bool = True
     affine_max_context: int = 4096
     peer: bool = True
+    tcq_system: bool = True  # TCQ through the cache + attention path too
+    tcq_codec_only: bool = True
+    quantize_vectors: int = 4096
     notes: list[str] = field(default_factory=list)
 
 
 QUICK = dict(quality_tokens=512, contexts=(1024, 4096), reps=3, n_queries=8, mse_vectors=2048,
-             affine_max_context=1024)
+             affine_max_context=1024, tcq_system=False, tcq_codec_only=False, quantize_vectors=1024)
 
 
 # ---------------------------------------------------------------- data
@@ -123,15 +137,28 @@ def one_minus_cos(out: mx.array, ref: mx.array) -> float:
 
 
 # ---------------------------------------------------------------- methods
-def ours_reconstruct(k, v, kb: int, vb: int, centre: bool = True, norm_mode: str = "lsq",
-                     gain_search: bool = False):
-    """Reconstructed K/V of our method (what the packed-cache attention computes with)."""
+def ours_reconstruct(k, v, kb: int, vb: int, centre: bool | str = True, norm_mode: str = "lsq",
+                     gain_search: bool = False, quantizer: str = "scalar"):
+    """Reconstructed K/V of our method (what the packed-cache attention computes with).
+
+    ``centre``: True = the cache's James-Stein-shrunk per-head mean of the
+    first CENTRE_CHUNK tokens; "raw" = their plain mean (before the shrink);
+    False = no centring.  ``quantizer``: "scalar" or "tcq" (trellis).
+    """
     rot = HadamardRotation(D, 1234)
-    kc = TurboQuantCodec(D, kb, rot, norm_mode, gain_search)
-    vc = TurboQuantCodec(D, vb, rot, norm_mode, gain_search)
+    if quantizer == "tcq":
+        kc, vc = TrellisCodec(D, kb, rot, norm_mode), TrellisCodec(D, vb, rot, norm_mode)
+    else:
+        kc = TurboQuantCodec(D, kb, rot, norm_mode, gain_search)
+        vc = TurboQuantCodec(D, vb, rot, norm_mode, gain_search)
     out = []
     for x, c in ((k, kc), (v, vc)):
-        mu = x[:, :, :CENTRE_CHUNK].mean(axis=2, keepdims=True) if centre else 0.0
+        if centre == "raw":
+            mu = x[:, :, :CENTRE_CHUNK].mean(axis=2, keepdims=True)
+        elif centre:
+            mu = shrunk_mean(x[:, :, :CENTRE_CHUNK], axis=2)
+        else:
+            mu = 0.0
         out.append(c.dequantize(*c.quantize(x - mu)) + mu)
     return out
 
@@ -177,16 +204,34 @@ def affine_attention(bits: int, qk, qv, q):
     )
 
 
-def ours_cache(kv_bits: float, k, v, window: int | None = None):
+def ours_cache(kv_bits: float, k, v, window: int | None = None, quantizer: str = "scalar"):
     """Our TurboQuantKVCache filled like a prefill of T-1 tokens plus one decode step."""
     from .cache import TurboQuantKVCache
 
     kw = {} if window is None else {"window": window}
-    cache = TurboQuantKVCache(kv_bits, seed=1234, **kw)
+    cache = TurboQuantKVCache(kv_bits, seed=1234, quantizer=quantizer, **kw)
     cache.update_and_fetch(k[:, :, :-1], v[:, :, :-1])
     wk, wv = cache.update_and_fetch(k[:, :, -1:], v[:, :, -1:])
     mx.eval(wk, wv, cache.keys_packed, cache.values_packed)
     return cache, wk, wv
+
+
+def tcq_cache_like(cache):
+    """A TCQ cache holding ``cache``'s packed words (same layout and bytes).
+
+    For decode TIMING only: the TCQ decode does the same work whatever the
+    words are, and running the Viterbi encoder over 32k tokens x 8 heads at
+    every width would take minutes per context on this CPU.
+    """
+    import copy
+
+    from .trellis import TrellisCodec as TC
+
+    c = copy.copy(cache)
+    c.quantizer = "tcq"
+    c.key_codec = TC(c.key_codec.dim, c.key_bits, c.rotation)
+    c.value_codec = TC(c.value_codec.dim, c.value_bits, c.value_rotation)
+    return c
 
 
 def ours_attention(cache, wk, wv, q):
@@ -216,6 +261,11 @@ def storage(cfg: Config) -> dict:
             qv = TurboQuantCodec(D, b, rot).quantize(x)
             n += qv.packed.nbytes + qv.norms.nbytes
         rows[f"ours{w}"] = n / (t * H_KV)
+        n = 0  # TCQ: the same arrays per token; 16 tokens spare the Viterbi time
+        for x, b in ((k[:, :, :16], kb), (v[:, :, :16], vb)):
+            qv = TrellisCodec(D, b, rot).quantize(x)
+            n += qv.packed.nbytes + qv.norms.nbytes
+        rows[f"tcq{w}"] = n / (16 * H_KV)
         if cfg.peer:
             cache, _, _ = peer_cache(w, k, v)
             rows[f"peer{w}"] = cache.nbytes / (t * H_KV)
@@ -233,6 +283,8 @@ def unit_mse(cfg: Config) -> dict:
                                    ("lsq_search", "lsq", True)):
             c = TurboQuantCodec(D, b, HadamardRotation(D, 3), mode, search)
             row[name] = float(((c.dequantize(*c.quantize(x)) - x) ** 2).sum(-1).mean())
+        c = TrellisCodec(D, b, HadamardRotation(D, 3))
+        row["tcq"] = float(((c.dequantize(*c.quantize(x)) - x) ** 2).sum(-1).mean())
         if cfg.peer and b >= 2:
             cache, _, _ = peer_cache(b, x, x)
             rec = cache.dequantize()[0]
@@ -277,8 +329,14 @@ def attention_quality(cfg: Config, kind: str) -> dict:
             ("codec_only", False, "lsq", False),
             ("codec_only_preserve", False, "preserve", False),
             ("ours_search", True, "lsq", True),
+            ("ours_rawmean", "raw", "lsq", False),
         ):
             kh, vh = ours_reconstruct(k, v, kb, vb, centre, mode, search)
+            res[f"{name}{w}"] = one_minus_cos(sdpa(q, kh, vh), ref)
+        for name, centre in (("tcq", True), ("tcq_codec_only", False)):
+            if name == "tcq_codec_only" and not cfg.tcq_codec_only:
+                continue
+            kh, vh = ours_reconstruct(k, v, kb, vb, centre, quantizer="tcq")
             res[f"{name}{w}"] = one_minus_cos(sdpa(q, kh, vh), ref)
         if cfg.peer:
             # Quality from the peer's own reconstruction through the same SDPA
@@ -297,8 +355,24 @@ def attention_quality(cfg: Config, kind: str) -> dict:
             res[f"system{w}"] = one_minus_cos(ours_attention(cache, wk, wv, q), ref)
             cache, wk, wv = ours_cache(w, k, v, window=0)
             res[f"system_nowindow{w}"] = one_minus_cos(ours_attention(cache, wk, wv, q), ref)
+            if cfg.tcq_system:
+                cache, wk, wv = ours_cache(w, k, v, quantizer="tcq")
+                res[f"system_tcq{w}"] = one_minus_cos(ours_attention(cache, wk, wv, q), ref)
         except ImportError as e:
             cfg.notes.append(f"cache/attention path not measured: {e}")
+    return res
+
+
+def quantize_timing(cfg: Config) -> dict:
+    """Seconds to quantize ``quantize_vectors`` vectors (d=128): scalar vs TCQ codec."""
+    x = mx.random.normal((1, H_KV, cfg.quantize_vectors // H_KV, D), key=mx.random.key(cfg.seed + 11))
+    mx.eval(x)
+    res = {}
+    for b in (2, 3, 4):
+        rot = HadamardRotation(D, 5)
+        for name, c in (("scalar", TurboQuantCodec(D, b, rot)), ("tcq", TrellisCodec(D, b, rot))):
+            mx.eval(*c.quantize(x))  # warm up (compilation)
+            res[f"{name}{b}"] = _median_time(lambda c=c: tuple(c.quantize(x)), 3)
     return res
 
 
@@ -335,6 +409,8 @@ def decode_timing(cfg: Config) -> dict:
             try:
                 c, wk, wv = ours_cache(w, k, v)
                 fns[f"ours{w}"] = lambda c=c, wk=wk, wv=wv: ours_attention(c, wk, wv, q)
+                ct = tcq_cache_like(c)
+                fns[f"tcq{w}"] = lambda c=ct, wk=wk, wv=wv: ours_attention(c, wk, wv, q)
             except ImportError as e:
                 cfg.notes.append(f"decode timing of ours skipped: {e}")
                 break
@@ -372,7 +448,7 @@ def run(cfg: Config, log=print) -> dict:
     for b, r in mse.items():
         peer = f"  peer {r['peer']:.5f}" if "peer" in r else ""
         log(f"  b={b}: lsq {r['lsq']:.5f}  preserve {r['preserve']:.5f}  "
-            f"lsq+gain-search {r['lsq_search']:.5f}  "
+            f"lsq+gain-search {r['lsq_search']:.5f}  tcq {r['tcq']:.5f} ({r['tcq'] / r['lsq']:.3f}x lsq)  "
             f"lloyd-max {r['lloyd_max']:.5f}  bound {r['lower_bound']:.5f}{peer}")
 
     q, k, _ = make_data("outlier", cfg.quality_tokens, cfg.n_queries, cfg.seed)
@@ -394,6 +470,13 @@ def run(cfg: Config, log=print) -> dict:
             log(f"  {w:>7} {g('ours'):9.5f} {g('ours_preserve'):9.5f} {g('codec_only'):9.5f} "
                 f"{g('codec_only_preserve'):10.5f} {g('peer'):9.5f} {g('ours') / g('peer'):9.3f} "
                 f"{g('system'):9.5f} {g('system_nowindow'):9.5f}")
+        log(f"  {'kv_bits':>7} {'tcq':>9} {'tcq/peer':>9} {'tcq/ours':>9} {'tcq_codec':>9} "
+            f"{'sys_tcq':>9} {'ours_rawmean':>12} {'raw/peer':>9}   (TCQ: trellis-coded, same bytes)")
+        for w in ALLOWED_KV_BITS:
+            g = lambda n: r.get(f"{n}{w}", float("nan"))  # noqa: E731
+            log(f"  {w:>7} {g('tcq'):9.5f} {g('tcq') / g('peer'):9.3f} {g('tcq') / g('ours'):9.3f} "
+                f"{g('tcq_codec_only'):9.5f} {g('system_tcq'):9.5f} {g('ours_rawmean'):12.5f} "
+                f"{g('ours_rawmean') / g('peer'):9.3f}")
         gs = "  ".join(f"{w}: {r[f'ours_search{w}']:.5f}" for w in ALLOWED_KV_BITS)
         log(f"  ours + gain search (same layout): {gs}")
         sw = "  ".join(f"{w}: {r[f'ours_swapped{w}']:.5f}" for w in (2.5, 3.5))
@@ -401,6 +484,13 @@ def run(cfg: Config, log=print) -> dict:
         if cfg.peer:
             dev = max(r[f"peer_direct_vs_recon{w}"] for w in ALLOWED_KV_BITS)
             log(f"  peer attention entry point vs SDPA on its reconstruction: max 1-cos {dev:.1e}")
+
+    qt = quantize_timing(cfg) if cfg.timing else {}
+    if qt:
+        section(f"Quantize time, {cfg.quantize_vectors} vectors of d={D}: scalar vs TCQ codec")
+        for b in (2, 3, 4):
+            log(f"  b={b}: scalar {1e3 * qt[f'scalar{b}']:7.1f} ms   tcq {1e3 * qt[f'tcq{b}']:8.1f} ms"
+                f"   ({qt[f'tcq{b}'] / qt[f'scalar{b}']:.0f}x)")
 
     timing = decode_timing(cfg) if cfg.timing else {}
     if timing:
@@ -446,6 +536,32 @@ def run(cfg: Config, log=print) -> dict:
             row["decode_ratio_vs_fp32_by_context"] = {
                 str(T): r[f"ours{w}"] / r["fp32"] for T, r in timing.items()
             }
+        g, o = quality["gaussian"], quality["outlier"]
+        tcq = {
+            "bytes_per_token": st[f"tcq{w}"] * H_KV,
+            "mse": (mse[kb]["tcq"] + mse[vb]["tcq"]) / 2,
+            "attn_cosine": 1 - g[f"tcq{w}"],
+            "attn_cosine_outlier": 1 - o[f"tcq{w}"],
+        }
+        if f"tcq_codec_only{w}" in g:
+            tcq["attn_cosine_codec_only"] = 1 - g[f"tcq_codec_only{w}"]
+            tcq["attn_cosine_codec_only_outlier"] = 1 - o[f"tcq_codec_only{w}"]
+        if f"system_tcq{w}" in g:
+            tcq["attn_cosine_system"] = 1 - g[f"system_tcq{w}"]
+            tcq["attn_cosine_system_outlier"] = 1 - o[f"system_tcq{w}"]
+        if cfg.peer:
+            tcq["error_ratio_vs_peer"] = g[f"tcq{w}"] / g[f"peer{w}"]
+            tcq["error_ratio_vs_peer_outlier"] = o[f"tcq{w}"] / o[f"peer{w}"]
+            row["error_ratio_vs_peer_raw_mean"] = g[f"ours_rawmean{w}"] / g[f"peer{w}"]
+            row["error_ratio_vs_peer_raw_mean_outlier"] = o[f"ours_rawmean{w}"] / o[f"peer{w}"]
+        if timing and f"tcq{w}" in timing[cfg.contexts[-1]]:
+            by_ctx = {str(T): r[f"tcq{w}"] / r["fp16"] for T, r in timing.items()}
+            tcq["decode_ratio_vs_fp16"] = by_ctx[str(cfg.contexts[-1])]
+            tcq["decode_ratio_vs_fp16_by_context"] = by_ctx
+            tcq["decode_ratio_vs_fp32_by_context"] = {
+                str(T): r[f"tcq{w}"] / r["fp32"] for T, r in timing.items()
+            }
+        row["tcq"] = tcq
         widths[str(w)] = row
     result = {
         "config": {"dim": D, "kv_heads": H_KV, "q_heads": H_Q, "quality_tokens": cfg.quality_tokens,
@@ -456,6 +572,7 @@ def run(cfg: Config, log=print) -> dict:
         "inner_product_rel_error": ip,
         "attention_one_minus_cos": quality,
         "decode_seconds": {str(T): r for T, r in timing.items()},
+        "quantize_seconds": qt,
         "notes": sorted(set(cfg.notes)),
         "elapsed_s": time.perf_counter() - t_start,
     }
