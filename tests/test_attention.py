@@ -31,11 +31,12 @@ def dense_reference(q, cache, wk, wv, scale, mask):
     return mx.softmax(s, axis=-1) @ values
 
 
-def filled_cache(bits, H_kv, D, n_first, n_then, window, seed=0, offsets=True):
-    """A cache after a prefill of n_first tokens and a chunk of n_then."""
+def filled_cache(bits, H_kv, D, n_first, n_then, window, seed=0, offsets=True, flush_batch=1):
+    """A cache after a prefill of n_first tokens and a chunk of n_then
+    (``flush_batch=1``: every token beyond the window is packed at once)."""
     mx.random.seed(seed)
     bias = 3.0 * mx.random.normal((1, H_kv, 1, D)) if offsets else 0.0
-    c = TurboQuantKVCache(bits, window=window, seed=seed)
+    c = TurboQuantKVCache(bits, window=window, seed=seed, flush_batch=flush_batch)
     k1 = mx.random.normal((1, H_kv, n_first, D)) + bias
     c.update_and_fetch(k1, mx.random.normal((1, H_kv, n_first, D)) + bias)
     k2 = mx.random.normal((1, H_kv, n_then, D)) + bias
@@ -106,6 +107,31 @@ def test_window_boundaries(n_first, n_then, window):
     mask = "causal" if n_then > 1 else None
     close(turboquant_attention(q, wk, wv, c, 0.125, mask),
           dense_reference(q, c, wk, wv, 0.125, mask))
+
+
+def test_decode_tokens_wait_for_a_batch_before_quantizing():
+    """Decode appends one token per step; with the default flush batch
+    (window // 2) tokens past the window are quantized together, never one
+    launch per step, and the attention stays exact either way."""
+    mx.random.seed(5)
+    c = TurboQuantKVCache(3.5, window=8, seed=0)
+    assert c.flush_batch == 4
+    c.update_and_fetch(mx.random.normal((1, 2, 20, 64)), mx.random.normal((1, 2, 20, 64)))
+    c.update_and_fetch(mx.random.normal((1, 2, 1, 64)), mx.random.normal((1, 2, 1, 64)))
+    assert c.packed_len == 12  # the prefill chunk flushed everything past the window
+    lens = []
+    for _ in range(8):
+        assert c.make_mask(1) is None
+        wk, wv = c.update_and_fetch(mx.random.normal((1, 2, 1, 64)), mx.random.normal((1, 2, 1, 64)))
+        lens.append(c.packed_len)
+    assert lens == [12, 12, 12, 16, 16, 16, 16, 20]  # one flush per 4 steps
+    assert 8 <= c.window_len < 8 + 4 + 1
+    q = mx.random.normal((1, 4, 1, 64))
+    close(turboquant_attention(q, wk, wv, c, 0.125, None), dense_reference(q, c, wk, wv, 0.125, None))
+    # the mask for a chunk matches the window that chunk will see
+    m = c.make_mask(3, return_array=True)
+    wk, _ = c.update_and_fetch(mx.random.normal((1, 2, 3, 64)), mx.random.normal((1, 2, 3, 64)))
+    assert m.shape[-1] == wk.shape[2]
 
 
 def test_centring_is_exact_and_helps_on_offset_keys():

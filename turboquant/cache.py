@@ -86,6 +86,8 @@ class TurboQuantKVCache(_BaseCache):
         kv_bits: preset width (2, 2.5, 3, 3.5, 4); see ``widths.resolve_bits``.
         key_bits / value_bits: override either side (1..4 bits).
         window: number of most recent tokens kept exact (model dtype).
+        flush_batch: tokens beyond the window that wait to be quantized
+            together (default ``window // 2``, at least 1).
         seed: rotation seed; ``make_prompt_cache`` passes base seed + layer.
         quantizer: ``"scalar"`` (Lloyd-Max, ``codec.TurboQuantCodec``; the GPU
             kernels' layout) or ``"tcq"`` (trellis-coded, ``trellis.TrellisCodec``:
@@ -102,6 +104,7 @@ class TurboQuantKVCache(_BaseCache):
         key_bits: int | None = None,
         value_bits: int | None = None,
         window: int = 128,
+        flush_batch: int | None = None,
         seed: int = 0,
         quantizer: str = "scalar",
     ):
@@ -114,6 +117,11 @@ class TurboQuantKVCache(_BaseCache):
             raise ValueError(f"TurboQuantKVCache: window must be >= 0, got {window}")
         self.key_bits, self.value_bits = resolve_bits(kv_bits, key_bits, value_bits)
         self.window = int(window)
+        # Decode appends one token per step; quantizing it at once costs a
+        # kernel launch per step (45-71% of a 32k decode step on the H200).
+        # Letting up to `flush_batch` tokens beyond the window wait and
+        # quantizing them together amortizes that to ~1.1% (docs/benchmarks.md, GPU).
+        self._flush_batch = None if flush_batch is None else max(1, int(flush_batch))
         self.seed = int(seed)
         self.offset = 0
         self.packed_len = 0
@@ -147,6 +155,11 @@ class TurboQuantKVCache(_BaseCache):
         codec = TrellisCodec if self.quantizer == "tcq" else TurboQuantCodec
         self.key_codec = codec(k_dim, self.key_bits, self.rotation)
         self.value_codec = codec(v_dim, self.value_bits, self.value_rotation)
+
+    @property
+    def flush_batch(self) -> int:
+        """Tokens beyond the window that wait to be quantized together."""
+        return self._flush_batch if self._flush_batch is not None else max(1, self.window // 2)
 
     @property
     def capacity(self) -> int:
@@ -209,11 +222,20 @@ class TurboQuantKVCache(_BaseCache):
         self.offset += keys.shape[2]
         return self.window_keys, self.window_values
 
+    def _flush_len(self) -> int:
+        """Tokens the next ``update_and_fetch`` moves to packed storage: all
+        beyond the window once at least ``flush_batch`` of them wait (a
+        prefill chunk always qualifies), else none."""
+        if self.window_keys is None:
+            return 0
+        excess = self.window_keys.shape[2] - self.window
+        return excess if excess >= self.flush_batch else 0
+
     def _flush(self) -> None:
         """Quantize the tokens beyond the exact window into packed storage."""
         if self.window_keys is None:
             return
-        excess = self.window_keys.shape[2] - self.window
+        excess = self._flush_len()
         if excess <= 0:
             return
         if self.key_mean is None:
@@ -252,7 +274,7 @@ class TurboQuantKVCache(_BaseCache):
             return create_causal_mask(N, self.offset, window_size=window_size)
         if N == 1 and not return_array:
             return None
-        kept = min(self.window_len, self.window)  # window left after the flush
+        kept = self.window_len - self._flush_len()  # window left after the flush
         if return_array:
             return create_causal_mask(N, kept)
         return "causal"
@@ -388,6 +410,7 @@ class TurboQuantKVCache(_BaseCache):
         self.quantizer = quantizer
         kb, vb, window, seed, offset, packed_len, k_dim, v_dim = (int(x) for x in v[:8])
         self.key_bits, self.value_bits, self.window, self.seed = kb, vb, window, seed
+        self._flush_batch = None  # a scheduling choice, not saved: the default
         self.offset, self.packed_len = offset, packed_len
         self.reallocations, self._reserved = 0, 0
         self._dims = None
