@@ -97,3 +97,15 @@ def test_tcq_rows_same_bytes_and_lower_error(result):
     for b in ("2", "3", "4"):
         row = r["unit_mse"][b]
         assert row["tcq"] < 0.85 * row["lsq"], b
+
+
+def test_decode_only_reports_ratios_for_both_quantizers(capsys):
+    """``--decode-only`` re-measures just the decode timing (after a decoder
+    change) with the same function and data as the full run."""
+    from turboquant import bench
+
+    res = bench.main(["--decode-only", "--contexts", "256", "--reps", "1", "--no-peer"])
+    row = res["decode_s"]["256"]
+    for name in ("fp16", "fp32", "ours3.5", "tcq3.5", "tcq4"):
+        assert row[name] > 0, name
+    assert "x fp16" in capsys.readouterr().out

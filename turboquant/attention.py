@@ -33,6 +33,7 @@ BLOCK = 4096  # most packed tokens per step of the online softmax
 BLOCK_ELEMENTS = 1 << 18  # and at most B*H_kv*T*max(D, rows) codes/scores per step.
 # Small blocks stay in the CPU caches: at 16k tokens (8 kv heads, d=128) 64- and
 # 1024-token blocks measured 1.35x / 1.37x the time of these 256-token ones.
+TCQ_COMPILED_MAX_BITS = 3  # TCQ widths whose block step runs compiled (see _packed_part)
 _NEG = -1e30  # finite "minus infinity": masked rows never produce NaN
 
 Mask = Union[None, str, mx.array]
@@ -73,15 +74,20 @@ def code_key(codec) -> tuple:
 
 @lru_cache(maxsize=None)
 def _decoder(key: tuple):
-    """words [..., T, words] -> unit-scale codes float32 [..., T, dim] for a code key."""
+    """(decode, offsets) for a code key: ``decode`` maps words [..., T, words]
+    to unit-scale codes float32 [..., T, dim]; the true codes are
+    ``decode(words) - offsets`` (``offsets`` [dim] or None).  The block step
+    applies the offsets to the [rows, T] scores and once to the value sum
+    instead of to every [T, dim] code (TCQ's per-position start offsets)."""
     if key[0] == "scalar":
         _, bits, dim = key
-        return lambda words: _codes(words, bits, dim)
+        return (lambda words: _codes(words, bits, dim)), None
     if key[0] == "tcq":
         from .trellis import _decoder as tcq_decoder
 
         _, bits, dim, taps, levels, offsets = key
-        return tcq_decoder(bits, dim, levels, taps, offsets)
+        off = None if offsets is None or not any(offsets) else mx.array(offsets, dtype=mx.float32)
+        return tcq_decoder(bits, dim, levels, taps, None), off
     raise ValueError(f"turboquant_attention: unknown code layout {key[0]!r}")
 
 
@@ -145,10 +151,13 @@ def _block_step(kkey: tuple, vkey: tuple):
     scores viewed as [B, H_kv, G, L, T] (``G``/``L`` come from its shape).
     """
 
-    kcodes, vcodes = _decoder(kkey), _decoder(vkey)
+    (kcodes, koff), (vcodes, voff) = _decoder(kkey), _decoder(vkey)
 
     def step(q_rot, kw, kn, vw, vn, m, s, acc, mask=None):
-        scores = (q_rot @ kcodes(kw).swapaxes(-1, -2)) * kn.astype(mx.float32)[:, :, None, :]
+        raw = q_rot @ kcodes(kw).swapaxes(-1, -2)
+        if koff is not None:  # q·(c - off) = q·c - q·off, one value per row
+            raw = raw - (q_rot @ koff)[..., None]
+        scores = raw * kn.astype(mx.float32)[:, :, None, :]
         if mask is not None:
             B, H, M, T = scores.shape
             L = mask.shape[-2]
@@ -157,7 +166,10 @@ def _block_step(kkey: tuple, vkey: tuple):
         p = mx.exp(scores - m_new)
         corr = mx.exp(m - m_new)
         s = s * corr + p.sum(axis=-1, keepdims=True)
-        acc = acc * corr + (p * vn.astype(mx.float32)[:, :, None, :]) @ vcodes(vw)
+        w = p * vn.astype(mx.float32)[:, :, None, :]
+        acc = acc * corr + w @ vcodes(vw)
+        if voff is not None:  # sum_t w_t (c_t - off) = sum_t w_t c_t - (sum_t w_t) off
+            acc = acc - w.sum(axis=-1, keepdims=True) * voff
         return m_new, s, acc
 
     return step
@@ -188,7 +200,7 @@ def _packed_part(q_rot: mx.array, cache, packed_mask: Optional[mx.array], G: int
     # A TCQ decode at 4 bits (two 16-leaf select trees) fused into the
     # compiled step ran ~3x slower than op by op on CPU (1.64 s vs 0.57 s at
     # 16k tokens): keep the compiled step for the scalar codes and TCQ <= 3 bits.
-    slow_fused = any(k[0] == "tcq" and k[1] >= 4 for k in (kkey, vkey))
+    slow_fused = any(k[0] == "tcq" and k[1] > TCQ_COMPILED_MAX_BITS for k in (kkey, vkey))
     fast = step if slow_fused else _compiled_step(kkey, vkey)
     for a in range(0, P, block):
         e = min(P, a + block)

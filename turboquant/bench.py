@@ -582,6 +582,23 @@ def run(cfg: Config, log=print) -> dict:
     return result
 
 
+def _decode_only(cfg: Config, as_json: bool) -> dict:
+    """The decode-timing section alone (same data and method as the full run)."""
+    t0 = time.perf_counter()
+    res = decode_timing(cfg)
+    print(f"# decode attention per call, contexts {cfg.contexts}, {cfg.reps} interleaved reps, "
+          f"{time.perf_counter() - t0:.0f} s")
+    for T, r in res.items():
+        print(f"{T:>6} tokens: fp16 SDPA {1e3 * r['fp16']:.1f} ms, fp32 SDPA {1e3 * r['fp32']:.1f} ms")
+        for name in sorted(n for n in r if n not in ("fp16", "fp32")):
+            print(f"   {name:<9} {1e3 * r[name]:8.1f} ms  {r[name] / r['fp16']:5.2f}x fp16  "
+                  f"{r[name] / r['fp32']:5.2f}x fp32")
+    result = {"decode_s": {str(T): r for T, r in res.items()}}
+    if as_json:
+        print(json.dumps(result, default=float))
+    return result
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(prog="python -m turboquant.bench", description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="small sizes: under a minute on 2 CPU cores")
@@ -594,6 +611,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--no-peer", action="store_true", help="skip mlx-vlm's TurboQuant")
     ap.add_argument("--no-timing", action="store_true")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--decode-only", action="store_true",
+                    help="only the decode-timing section (ratios vs fp16/fp32 SDPA), e.g. after a decoder change")
     args = ap.parse_args(argv)
     cfg = Config(**QUICK) if args.quick else Config()
     if args.contexts:
@@ -607,6 +626,8 @@ def main(argv: list[str] | None = None) -> dict:
     if args.mse_vectors:
         cfg.mse_vectors = args.mse_vectors
     cfg.peer, cfg.timing, cfg.seed = not args.no_peer, not args.no_timing, args.seed
+    if args.decode_only:
+        return _decode_only(cfg, args.json)
     result = run(cfg)
     if args.json:
         print(json.dumps(result, default=float))
