@@ -78,7 +78,8 @@ def _make_cache(model: Any, spec: Any) -> list:
 
     opts = {}
     if spec.kv_quant_scheme == "turboquant":
-        opts = {"key_bits": spec.key_bits, "value_bits": spec.value_bits, "window": spec.window}
+        opts = {"key_bits": spec.key_bits, "value_bits": spec.value_bits, "window": spec.window,
+                "quantizer": spec.quantizer}
     return make_prompt_cache(model, kv_bits=spec.kv_bits, kv_quant_scheme=spec.kv_quant_scheme, **opts)
 
 
@@ -294,7 +295,8 @@ class Engine:
             "prefill_chunk": spec.prefill_chunk,
         }
         if spec.kv_quant_scheme == "turboquant":
-            rec.update(key_bits=spec.key_bits, value_bits=spec.value_bits, window=spec.window)
+            rec.update(key_bits=spec.key_bits, value_bits=spec.value_bits, window=spec.window,
+                       quantizer=spec.quantizer)
         if nbytes_end is not None:
             rec["nbytes_end_of_task"] = nbytes_end
         return rec

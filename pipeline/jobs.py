@@ -73,6 +73,9 @@ class CacheSpec(_Spec):
     key_bits: int | None = None
     value_bits: int | None = None
     window: int = Field(128, ge=0)
+    # "tcq": trellis-coded TurboQuant (same bytes, ~0.65x the attention error
+    # of "scalar" on Gaussian K/V, ~90x slower to quantize, no GPU kernels).
+    quantizer: Literal["scalar", "tcq"] = "scalar"
     prefill_chunk: int = Field(512, gt=0)
 
     # Field validators (not one model validator) so the error names the exact key.
@@ -85,6 +88,13 @@ class CacheSpec(_Spec):
             raise ValueError(f"{v:g} is not allowed with turboquant; choose one of {allowed}")
         if scheme == "affine" and v not in AFFINE_KV_BITS:
             raise ValueError(f"{v:g} is not allowed with affine; choose 4 or 8")
+        return v
+
+    @field_validator("quantizer")
+    @classmethod
+    def _check_quantizer(cls, v: str, info: ValidationInfo) -> str:
+        if v != "scalar" and info.data.get("kv_quant_scheme") != "turboquant":
+            raise ValueError("only applies to kv_quant_scheme: turboquant")
         return v
 
     @field_validator("key_bits", "value_bits")

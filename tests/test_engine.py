@@ -277,3 +277,23 @@ def test_chunked_prefill_bounds_peak_memory():
     assert one_step > scores_one_step  # the one-step prefill really materialises all scores
     assert chunked < cache_bytes + scores_one_step / 8
     assert chunked < one_step / 4
+
+
+def test_job_quantizer_reaches_the_cache():
+    """``cache.quantizer: tcq`` in a job builds trellis-coded caches (and the
+    default builds the scalar ones the GPU kernels read)."""
+    from pipeline.engine import _make_cache
+    from turboquant.trellis import TrellisCodec
+
+    args = llama.ModelArgs(model_type="llama", hidden_size=64, num_hidden_layers=2, intermediate_size=128,
+                           num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=64)
+    model = llama.Model(args)
+    from turboquant.codec import TurboQuantCodec
+
+    for quantizer, codec_type in (("tcq", TrellisCodec), ("scalar", TurboQuantCodec)):
+        caches = _make_cache(model, CacheSpec(quantizer=quantizer))
+        x = mx.random.normal((1, 2, 300, 16))
+        caches[0].update_and_fetch(x, x)
+        caches[0].update_and_fetch(x[:, :, :1], x[:, :, :1])
+        assert caches[0].quantizer == quantizer
+        assert type(caches[0].key_codec) is codec_type

@@ -101,6 +101,8 @@ engine: {kind: ray, address: auto, workers: 4, max_retries: 1, max_in_flight_per
         (BASE + "cache: {kv_quant_scheme: affine, kv_bits: 3.5}\n", "cache.kv_bits", "choose 4 or 8"),
         (BASE + "cache: {kv_quant_scheme: affine, kv_bits: 4, key_bits: 2}\n", "cache.key_bits", "turboquant"),
         (BASE + "cache: {key_bits: 7}\n", "cache.key_bits", "7 is not allowed"),
+        (BASE + "cache: {quantizer: lattice}\n", "cache.quantizer", "scalar"),
+        (BASE + "cache: {kv_quant_scheme: fp16, quantizer: tcq}\n", "cache.quantizer", "turboquant"),
         (BASE + "cache: {kv_quant_scheme: int4}\n", "cache.kv_quant_scheme", "'turboquant', 'fp16' or 'affine'"),
         (BASE + "context: {overflow: drop}\n", "context.overflow", "'error' or 'truncate'"),
         (BASE + "context: {pages: '1-x'}\n", "context.pages", "cannot parse '1-x'"),
