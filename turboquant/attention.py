@@ -27,6 +27,7 @@ from typing import Optional, Union
 import mlx.core as mx
 
 from .codebooks import codebook
+from .lookup import compiled_lookup
 from .packing import unpack
 
 BLOCK = 4096  # most packed tokens per step of the online softmax
@@ -41,24 +42,8 @@ Mask = Union[None, str, mx.array]
 
 @lru_cache(maxsize=None)
 def _lookup(bits: int, dim: int):
-    """Compiled index -> codebook value map, as a binary tree of selects.
-
-    MLX's CPU gather (``mx.take``) costs ~15 ns per element; selecting by the
-    index bits (``b`` levels of ``where`` over constant leaves) fuses into one
-    elementwise kernel and is 5-10x faster, which is most of the decode time.
-    Shapeless, so ragged last blocks do not recompile.
-    """
-    leaves = [float(c) for c in codebook(bits, dim).centroids]
-
-    def lookup(idx: mx.array) -> mx.array:
-        i = idx.astype(mx.uint32)
-        vals = [mx.array(c, mx.float32) for c in leaves]
-        for k in range(bits):
-            bit = ((i >> k) & 1).astype(mx.bool_)
-            vals = [mx.where(bit, vals[2 * j + 1], vals[2 * j]) for j in range(len(vals) // 2)]
-        return vals[0]
-
-    return mx.compile(lookup, shapeless=True)
+    """Compiled index -> codebook value map (``lookup.compiled_lookup``)."""
+    return compiled_lookup(tuple(float(c) for c in codebook(bits, dim).centroids))
 
 
 def _codes(words: mx.array, bits: int, dim: int) -> mx.array:

@@ -75,6 +75,7 @@ import mlx.core as mx
 import numpy as np
 
 from .codec import NORM_MODES, QuantizedVectors, _F16_MAX
+from .lookup import select_tree
 from .packing import pack, packed_words, unpack
 from .rotation import HadamardRotation
 
@@ -238,27 +239,9 @@ def viterbi(u: mx.array, levels, taps: int, nu: int, offsets=None) -> mx.array:
     return (w << 1) | b
 
 
-@lru_cache(maxsize=None)
-def _lookup(levels: tuple[float, ...]):
-    """Compiled code -> level map (a select tree over the code's bits)."""
-    n_bits = int(np.log2(len(levels)))
-
-    def lookup(code):
-        i = code.astype(mx.uint32)
-        vals = [mx.array(c, mx.float32) for c in levels]
-        for k in range(n_bits):
-            bit = ((i >> k) & 1).astype(mx.bool_)
-            vals = [mx.where(bit, vals[2 * j + 1], vals[2 * j]) for j in range(len(vals) // 2)]
-        return vals[0]
-
-    return mx.compile(lookup, shapeless=True)
-
-
 def reconstruct(idx: mx.array, levels, taps: int, offsets=None) -> mx.array:
     """Unit-scale reconstruction C[2 idx + p] - offsets of index rows [..., d] (float32)."""
-    idx = idx.astype(mx.uint32)
-    p = parity_bits(idx & 1, taps)
-    c = _lookup(tuple(float(c) for c in levels))((idx << 1) | p)
+    c = _union_values(idx, parity_bits(idx & 1, taps), tuple(float(c) for c in levels))
     if offsets is not None:
         c = c - mx.array(np.asarray(offsets, dtype=np.float32))
     return c
@@ -282,22 +265,13 @@ def union_levels(bits: int, dim: int) -> np.ndarray:
     return np.asarray(cbs[bits], dtype=np.float64) / np.sqrt(dim)
 
 
-def _select_tree(code: mx.array, leaves, n_bits: int) -> mx.array:
-    """leaves[code] as ``n_bits`` levels of selects (fuses under mx.compile)."""
-    vals = [mx.array(c, mx.float32) for c in leaves]
-    for k in range(n_bits):
-        bit = ((code >> k) & 1).astype(mx.bool_)
-        vals = [mx.where(bit, vals[2 * j + 1], vals[2 * j]) for j in range(len(vals) // 2)]
-    return vals[0]
-
-
 @lru_cache(maxsize=None)
 def _level_fns(levels: tuple[float, ...]):
     """Compiled (idx, p) -> C[2 idx + p] pieces for one union codebook.
 
     MLX's CPU fusion handles a 16-leaf select tree in one kernel (12 ms for
-    4M codes) but not a 32-leaf one (200 ms: the graph is split), and an
-    uncompiled ``where`` costs ~5 ns per element.  So: up to 16 levels, one
+    4M codes) but not a 32-leaf one (200 ms: the graph is split, see
+    ``lookup``), and an uncompiled ``where`` costs ~5 ns per element.  So: up to 16 levels, one
     compiled tree over j = 2 idx + p; 32 levels (4 bits), two 16-leaf trees
     over the low 4 bits of j and one compiled blend on the top bit.  (The
     per-position offsets are subtracted outside: a broadcast operand inside
@@ -308,22 +282,31 @@ def _level_fns(levels: tuple[float, ...]):
     if n <= 16:
         def whole(idx, p):
             j = (idx.astype(mx.uint32) << 1) | p
-            return _select_tree(j, levels, n_bits)
+            return select_tree(j, levels, n_bits)
 
         return (mx.compile(whole, shapeless=True),)
     half = n // 2
     top = n_bits - 2  # bit of idx that is bit n_bits-1 of j
 
     def lo(idx, p):
-        return _select_tree(((idx.astype(mx.uint32) << 1) | p) & (half - 1), levels[:half], n_bits - 1)
+        return select_tree(((idx.astype(mx.uint32) << 1) | p) & (half - 1), levels[:half], n_bits - 1)
 
     def hi(idx, p):
-        return _select_tree(((idx.astype(mx.uint32) << 1) | p) & (half - 1), levels[half:], n_bits - 1)
+        return select_tree(((idx.astype(mx.uint32) << 1) | p) & (half - 1), levels[half:], n_bits - 1)
 
     def blend(a, b, idx):
         return mx.where(((idx.astype(mx.uint32) >> top) & 1).astype(mx.bool_), b, a)
 
     return tuple(mx.compile(f, shapeless=True) for f in (lo, hi, blend))
+
+
+def _union_values(idx: mx.array, p: mx.array, levels: tuple[float, ...]) -> mx.array:
+    """C[2 idx + p] for indices ``idx`` and parities ``p`` (``_level_fns``)."""
+    fns = _level_fns(levels)
+    if len(fns) == 1:
+        return fns[0](idx, p)
+    lo, hi, blend = fns
+    return blend(lo(idx, p), hi(idx, p), idx)
 
 
 def _decoder(bits: int, dim: int, levels: tuple[float, ...], taps: int,
@@ -335,17 +318,12 @@ def _decoder(bits: int, dim: int, levels: tuple[float, ...], taps: int,
     measured 2.7-3.6x faster than two 2^bits-leaf trees joined by an
     uncompiled ``where`` (3 and 4 bits, 4M codes, this CPU).
     """
-    fns = _level_fns(tuple(levels))
+    levels = tuple(levels)
     off = None if offsets is None else mx.array(np.asarray(offsets, dtype=np.float32))
 
     def decode(words: mx.array) -> mx.array:
         idx = unpack(words, bits, dim)
-        p = parity_bits(idx & 1, taps)
-        if len(fns) == 1:
-            c = fns[0](idx, p)
-        else:
-            lo, hi, blend = fns
-            c = blend(lo(idx, p), hi(idx, p), idx)
+        c = _union_values(idx, parity_bits(idx & 1, taps), levels)
         return c if off is None else c - off
 
     return decode
