@@ -74,6 +74,15 @@ def _index_fn(boundaries: list[float]):
     return mx.compile(f, shapeless=True)
 
 
+def stored_scale(norm: mx.array, dot: mx.array, c_sq: mx.array, norm_mode: str) -> mx.array:
+    """The float16 per-vector scale of a codeword ``ĉ`` for a vector of norm
+    ``‖x‖`` with unit direction ``u`` (``dot = ⟨u, ĉ⟩``, ``c_sq = ‖ĉ‖²``):
+    least squares (``"lsq"``) or norm-preserving, clipped to the float16 range.
+    Shared by every codec that stores ``scale * codeword``."""
+    scale = norm * mx.rsqrt(c_sq) if norm_mode == "preserve" else norm * dot / c_sq
+    return mx.clip(scale, -_F16_MAX, _F16_MAX).astype(mx.float16)
+
+
 class TurboQuantCodec:
     """Quantize vectors of size ``dim`` to ``bits`` per coordinate (+ a float16 norm)."""
 
@@ -126,12 +135,7 @@ class TurboQuantCodec:
                 idx = mx.where(better[..., None], i2, idx)
                 dot, c_sq = mx.where(better, d2, dot), mx.where(better, s2, c_sq)
                 best = mx.maximum(best, cos2)
-        if self.norm_mode == "preserve":
-            scale = norm * mx.rsqrt(c_sq)
-        else:
-            scale = norm * dot / c_sq
-        scale = mx.clip(scale, -_F16_MAX, _F16_MAX).astype(mx.float16)
-        return QuantizedVectors(pack(idx, self.bits), scale)
+        return QuantizedVectors(pack(idx, self.bits), stored_scale(norm, dot, c_sq, self.norm_mode))
 
     def _cell(self, v: mx.array, u: mx.array) -> tuple[mx.array, mx.array, mx.array]:
         """Indices of ``v``'s cells, ⟨u, ĉ⟩ and ‖ĉ‖² (> 0: no centroid is zero)."""

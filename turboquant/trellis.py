@@ -74,7 +74,7 @@ from functools import lru_cache
 import mlx.core as mx
 import numpy as np
 
-from .codec import NORM_MODES, QuantizedVectors, _F16_MAX
+from .codec import NORM_MODES, QuantizedVectors, stored_scale
 from .lookup import select_tree
 from .packing import pack, packed_words, unpack
 from .rotation import HadamardRotation
@@ -395,11 +395,7 @@ class TrellisCodec:
             idx = viterbi(u, self.levels, self.taps, self.states_log2, self.offsets)
         c = reconstruct(idx, self.levels, self.taps, self.offsets)
         dot, c_sq = (u * c).sum(axis=-1), mx.maximum((c * c).sum(axis=-1), 1e-30)
-        if self.norm_mode == "preserve":
-            scale = norm * mx.rsqrt(c_sq)
-        else:
-            scale = norm * dot / c_sq
-        scale = mx.clip(scale, -_F16_MAX, _F16_MAX).astype(mx.float16)
+        scale = stored_scale(norm, dot, c_sq, self.norm_mode)
         return QuantizedVectors(pack(idx, self.bits).reshape(*lead, self.words), scale.reshape(lead))
 
     def unit_codes(self, words: mx.array) -> mx.array:
