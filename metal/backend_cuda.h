@@ -43,10 +43,6 @@ __device__ __forceinline__ unsigned int tq_pack_half_bits(T a, T b) {
 __device__ __forceinline__ float2 tq_unpack_half2(unsigned int u) {
   return __half22float2(*reinterpret_cast<__half2*>(&u));
 }
-// Byte i (0..3) of x, zero-extended: one PRMT.
-__device__ __forceinline__ unsigned int tq_byte(unsigned int x, int i) {
-  return __byte_perm(x, 0u, 0x4440u | (unsigned int)i);
-}
 // 32-bit shared-memory read at a byte offset from a shared array.
 __device__ __forceinline__ unsigned int tq_lds(const unsigned int* smem_array, unsigned int byte_off) {
   return *reinterpret_cast<const unsigned int*>(reinterpret_cast<const char*>(smem_array) + byte_off);

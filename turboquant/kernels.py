@@ -244,9 +244,7 @@ def tc_config(d: int, rows: int, b_hkv: int, n: int) -> dict:
     splits = max(1, -(-target // max(1, b_hkv * rt)))
     toks = max(4 * step, -(-n // splits))  # >= 4 tiles per warp: the table copy amortizes
     toks = -(-toks // step) * step
-    minb = int(os.environ.get("TQ_TC_MINBLOCKS", -1))
-    if minb < 0:
-        minb = 0
+    minb = max(0, int(os.environ.get("TQ_TC_MINBLOCKS", 0)))  # 0: no register cap
     return {"GL": gl, "RT": rt, "NW": nw, "TOKS": toks, "S": -(-n // toks), "MINB": minb}
 
 
