@@ -224,6 +224,13 @@ def decode_impl(d: int) -> str:
     return "tc" if tc_ok else "simt"
 
 
+def uses_tc(d: int, capacity: int) -> bool:
+    """Whether ``decode`` runs the tensor-core kernel for this head dim and
+    cache capacity (it loads each pair of float16 norms as one 32-bit word,
+    so the capacity must be even; the cache's is a multiple of 256)."""
+    return decode_impl(d) == "tc" and capacity % 2 == 0
+
+
 def tc_config(d: int, rows: int, b_hkv: int, n: int) -> dict:
     """Launch shape of the tensor-core kernel.
 
@@ -301,7 +308,7 @@ def decode(
     q = _f32(q_rot)
     inputs = [q, keys_packed, keys_norms, values_packed, values_norms,
               _f32(key_centroids), _f32(value_centroids)]
-    if decode_impl(D) == "tc" and cap % 2 == 0:  # (norm pairs load as one word)
+    if uses_tc(D, cap):
         cfg = tc_config(D, R, B * H, n)
         S, NW = cfg["S"], cfg["NW"]
         meta = _meta(n, cap, cfg["TOKS"], H, S, R, cfg["RT"])
@@ -651,7 +658,7 @@ def turboquant_attention(
     rows = (H_q // H_kv) * L
     # The tensor-core kernel tiles any number of query rows (prefill chunks
     # too) straight from the packed codes: no dequantized history at all.
-    tiled = packed_mask is None and decode_impl(D) == "tc"
+    tiled = packed_mask is None and uses_tc(D, cache.keys_norms.shape[2])
     if not tiled and (
         packed_mask is not None or rows > prefill_rows() or decode_config(D, rows, B * H_kv, 1) is None
     ):
