@@ -9,6 +9,11 @@ head vector) and scaled by 1/sqrt(dim) at run time.  Generalized Lloyd:
 Viterbi-encode the training set, move every level to the mean of the samples
 it reconstructs, repeat until the MSE stops improving (relative change
 < 1e-4); the start is the 2^(k+1)-level Gaussian Lloyd-Max quantizer.
+The levels are kept symmetric (C[n-1-j] = -C[j]; each mirrored pair moves to
+the least-squares point of both cells): the source is symmetric and so is
+the trellis (flipping every branch bit flips the parity, the tap mask has an
+odd weight), so the constraint costs next to nothing, and it halves the
+decoder's lookup (a 2^k-leaf tree over |C| plus a sign).
 
 Tap mask: among the masks with the top state bit (and bit 0) set, the one
 with the lowest MSE at k=2 after a short training on a smaller set.
@@ -77,7 +82,11 @@ def train(X: np.ndarray, bits: int, taps: int, nu: int, max_iter: int, tol: floa
         mse = float(np.mean((flat - C[code]) ** 2))
         cnt = np.bincount(code, minlength=len(C))
         s = np.bincount(code, weights=flat, minlength=len(C))
-        new = np.where(cnt > 0, s / np.maximum(cnt, 1), C)
+        # Symmetric Lloyd step: C[n-1-j] = -C[j] (the decoder looks up |C| in a
+        # half-size tree and applies the sign), so each pair of mirrored levels
+        # moves to the least-squares point of both cells together.
+        pair_cnt = cnt + cnt[::-1]
+        new = np.where(pair_cnt > 0, (s - s[::-1]) / np.maximum(pair_cnt, 1), C)
         off = np.zeros(X.shape[1])
         off[:nu] = (new[code2[:, :nu]] - X[:, :nu]).mean(axis=0)
         # The encoder needs each subset ascending (nearest level by midpoints).
@@ -98,6 +107,8 @@ def search_taps(nu: int, n: int, iters: int) -> int:
     best = None
     top = 1 << (nu - 1)
     for taps in range(top | 1, 1 << nu, 2):
+        if bin(taps).count("1") % 2 == 0:
+            continue  # the symmetric codebooks need an odd tap weight (see above)
         _, _, mse, _ = train(X, 2, taps, nu, iters, tol=0.0)
         if best is None or mse < best[1]:
             best = (taps, mse)
@@ -112,7 +123,8 @@ def render(taps: int, nu: int, books: dict[int, np.ndarray], offs: dict[int, np.
         "",
         "TAPS: parity tap mask over the last STATES_LOG2 branch bits (bit t = b_{i-1-t}).",
         "CODEBOOKS[k]: 2^(k+1) union-codebook levels (each subset ascending) at UNIT variance (the",
-        "codec scales them by 1/sqrt(dim)); level j is in subset j mod 4.",
+        "codec scales them by 1/sqrt(dim)); level j is in subset j mod 4; symmetric:",
+        "CODEBOOKS[k][n-1-j] == -CODEBOOKS[k][j] (the decoder relies on it).",
         "START_OFFSETS[k]: subtracted from the reconstruction at positions 0..STATES_LOG2-1",
         "(unit variance): the mean error there, which the zero start state makes nonzero.",
         "MSE[k]: training-set MSE per sample (unit-variance Gaussian, length-128 sequences).",

@@ -60,8 +60,11 @@ def test_tables_consistent_and_levels_are_centroids():
             assert np.all(np.diff(C[q::4]) > 0)
         if k >= 2:  # the widths the cache uses have a sorted union codebook
             assert np.all(np.diff(C) > 0)
-    # Generalized-Lloyd fixed point on a fresh N(0,1) set: each level is the
-    # mean of the samples it reconstructs (sampling noise ~0.005).
+        # symmetric: the CPU decoder looks up |C| in a half-size tree plus a sign
+        np.testing.assert_allclose(C, -C[::-1], rtol=0, atol=1e-12)
+    # Symmetric generalized-Lloyd fixed point on a fresh N(0,1) set: each
+    # mirrored pair of levels is the least-squares point of both cells
+    # (sampling noise ~0.005).
     X = np.random.default_rng(123).standard_normal((512, 128)).astype(np.float32)
     for k in (2, 3):
         C = np.asarray(CODEBOOKS[k])
@@ -74,7 +77,8 @@ def test_tables_consistent_and_levels_are_centroids():
         mean = np.bincount(code.ravel(), weights=xo, minlength=len(C))
         ok = cnt > 200
         assert ok.sum() >= len(C) - 2
-        np.testing.assert_allclose((mean / np.maximum(cnt, 1))[ok], C[ok], atol=0.03)
+        pair = (mean - mean[::-1]) / np.maximum(cnt + cnt[::-1], 1)
+        np.testing.assert_allclose(pair[ok], C[ok], atol=0.03)
         # and the offsets remove the mean error at the start positions
         err = (C[code] - off) - X
         assert np.abs(err[:, :STATES_LOG2].mean(axis=0)).max() < 0.03
