@@ -26,54 +26,21 @@ from typing import Optional, Union
 
 import mlx.core as mx
 
-from .codebooks import codebook
-from .lookup import compiled_lookup
-from .packing import unpack
+from .decode import block_decoder
 
 BLOCK = 4096  # most packed tokens per step of the online softmax
 BLOCK_ELEMENTS = 1 << 18  # and at most B*H_kv*T*max(D, rows) codes/scores per step.
 # Small blocks stay in the CPU caches: at 16k tokens (8 kv heads, d=128) 64- and
 # 1024-token blocks measured 1.35x / 1.37x the time of these 256-token ones.
-TCQ_COMPILED_MAX_BITS = 3  # TCQ widths whose block step runs compiled (see _packed_part)
 _NEG = -1e30  # finite "minus infinity": masked rows never produce NaN
 
 Mask = Union[None, str, mx.array]
-
-
-@lru_cache(maxsize=None)
-def _lookup(bits: int, dim: int):
-    """Compiled index -> codebook value map (``lookup.compiled_lookup``)."""
-    return compiled_lookup(tuple(float(c) for c in codebook(bits, dim).centroids))
-
-
-def _codes(words: mx.array, bits: int, dim: int) -> mx.array:
-    """Codebook values (rotated domain, unit scale) of one block: float32 [..., T, dim]."""
-    return _lookup(bits, dim)(unpack(words, bits, dim))
 
 
 def code_key(codec) -> tuple:
     """Hashable description of how ``codec``'s words decode (scalar or TCQ)."""
     key = getattr(codec, "code_key", None)
     return key if key is not None else ("scalar", codec.bits, codec.dim)
-
-
-@lru_cache(maxsize=None)
-def _decoder(key: tuple):
-    """(decode, offsets) for a code key: ``decode`` maps words [..., T, words]
-    to unit-scale codes float32 [..., T, dim]; the true codes are
-    ``decode(words) - offsets`` (``offsets`` [dim] or None).  The block step
-    applies the offsets to the [rows, T] scores and once to the value sum
-    instead of to every [T, dim] code (TCQ's per-position start offsets)."""
-    if key[0] == "scalar":
-        _, bits, dim = key
-        return (lambda words: _codes(words, bits, dim)), None
-    if key[0] == "tcq":
-        from .trellis import _decoder as tcq_decoder
-
-        _, bits, dim, taps, levels, offsets = key
-        off = None if offsets is None or not any(offsets) else mx.array(offsets, dtype=mx.float32)
-        return tcq_decoder(bits, dim, levels, taps, None), off
-    raise ValueError(f"turboquant_attention: unknown code layout {key[0]!r}")
 
 
 def _as_5d(mask: mx.array, B: int, H_kv: int, G: int) -> mx.array:
@@ -132,15 +99,33 @@ def _block_step(kkey: tuple, vkey: tuple):
     """One online-softmax step over one block of packed tokens.
 
     ``(q_rot, key words, key norms, value words, value norms, m, s, acc,
-    mask)`` -> ``(m, s, acc)``; ``mask`` is None or broadcasts against the
-    scores viewed as [B, H_kv, G, L, T] (``G``/``L`` come from its shape).
+    mask)`` -> ``(m, s, acc)``; ``q_rot`` is in the key decoder's slot
+    layout and ``acc`` in the value decoder's (``decode``); ``mask`` is
+    None or broadcasts against the scores viewed as [B, H_kv, G, L, T]
+    (``G``/``L`` come from its shape).  The decoders are compiled kernels of
+    their own; only the arithmetic after them is compiled here (``_update``):
+    compiling both into one graph let MLX fuse the decode's select trees
+    with neighbouring ops into much slower kernels (3-4x on CPU).
     """
-
-    (kcodes, koff), (vcodes, voff) = _decoder(kkey), _decoder(vkey)
+    kdec, vdec = block_decoder(kkey), block_decoder(vkey)
+    update = _update(kdec.offsets is not None, vdec.offsets is not None)
+    koff = kdec.offsets if kdec.offsets is not None else mx.array(0.0)
+    voff = vdec.offsets if vdec.offsets is not None else mx.array(0.0)
 
     def step(q_rot, kw, kn, vw, vn, m, s, acc, mask=None):
-        raw = q_rot @ kcodes(kw).swapaxes(-1, -2)
-        if koff is not None:  # q·(c - off) = q·c - q·off, one value per row
+        return update(q_rot, kdec.codes(kw), kn, vdec.codes(vw), vn, m, s, acc, koff, voff, mask)
+
+    return step
+
+
+@lru_cache(maxsize=None)
+def _update(k_offsets: bool, v_offsets: bool):
+    """The online-softmax update of one block from its decoded codes (compiled
+    per mask presence; MLX retraces per block shape)."""
+
+    def update(q_rot, kc, kn, vc, vn, m, s, acc, koff, voff, mask=None):
+        raw = q_rot @ kc.swapaxes(-1, -2)
+        if k_offsets:  # q·(c - off) = q·c - q·off, one value per row
             raw = raw - (q_rot @ koff)[..., None]
         scores = raw * kn.astype(mx.float32)[:, :, None, :]
         if mask is not None:
@@ -152,18 +137,12 @@ def _block_step(kkey: tuple, vkey: tuple):
         corr = mx.exp(m - m_new)
         s = s * corr + p.sum(axis=-1, keepdims=True)
         w = p * vn.astype(mx.float32)[:, :, None, :]
-        acc = acc * corr + w @ vcodes(vw)
-        if voff is not None:  # sum_t w_t (c_t - off) = sum_t w_t c_t - (sum_t w_t) off
+        acc = acc * corr + w @ vc
+        if v_offsets:  # sum_t w_t (c_t - off) = sum_t w_t c_t - (sum_t w_t) off
             acc = acc - w.sum(axis=-1, keepdims=True) * voff
         return m_new, s, acc
 
-    return step
-
-
-@lru_cache(maxsize=None)
-def _compiled_step(kkey: tuple, vkey: tuple):
-    """The unmasked step compiled (fixed block shape: ~10% faster decode)."""
-    return mx.compile(_block_step(kkey, vkey))
+    return mx.compile(update)
 
 
 def _packed_part(q_rot: mx.array, cache, packed_mask: Optional[mx.array], G: int, L: int):
@@ -173,38 +152,29 @@ def _packed_part(q_rot: mx.array, cache, packed_mask: Optional[mx.array], G: int
     value accumulator [B, H_kv, G*L, Dv] (all float32).
     """
     B, H_kv, M, D = q_rot.shape
-    Dv = cache.window_values.shape[-1]
     kkey, vkey = code_key(cache.key_codec), code_key(cache.value_codec)
+    klay, vlay = block_decoder(kkey).layout, block_decoder(vkey).layout
+    q_rot = klay.to_slots(q_rot)  # zero in pad slots: they add nothing to the scores
     m = mx.full((B, H_kv, M, 1), _NEG, mx.float32)
     s = mx.zeros((B, H_kv, M, 1), mx.float32)
-    acc = mx.zeros((B, H_kv, M, Dv), mx.float32)
+    acc = mx.zeros((B, H_kv, M, vlay.slots), mx.float32)
     P = cache.packed_len
-    # one block holds codes [T, D] and scores [M, T] per kv head
-    block = max(64, min(BLOCK, BLOCK_ELEMENTS // (B * H_kv * max(D, Dv, M))))
+    # one block holds codes [T, slots] and scores [M, T] per kv head
+    block = max(64, min(BLOCK, BLOCK_ELEMENTS // (B * H_kv * max(klay.slots, vlay.slots, M))))
     step = _block_step(kkey, vkey)
-    # A TCQ decode at 4 bits (two 16-leaf select trees) fused into the
-    # compiled step ran ~3x slower than op by op on CPU (1.64 s vs 0.57 s at
-    # 16k tokens): keep the compiled step for the scalar codes and TCQ <= 3 bits.
-    slow_fused = any(k[0] == "tcq" and k[1] > TCQ_COMPILED_MAX_BITS for k in (kkey, vkey))
-    fast = step if slow_fused else _compiled_step(kkey, vkey)
     for a in range(0, P, block):
         e = min(P, a + block)
         args = (
             q_rot, cache.keys_packed[:, :, a:e], cache.keys_norms[:, :, a:e],
             cache.values_packed[:, :, a:e], cache.values_norms[:, :, a:e], m, s, acc,
         )
-        if packed_mask is not None:
-            m, s, acc = step(*args, packed_mask[..., a:e])
-        elif e - a == block:  # full blocks share one compiled shape
-            m, s, acc = fast(*args)
-        else:
-            m, s, acc = step(*args)
+        m, s, acc = step(*args, None if packed_mask is None else packed_mask[..., a:e])
         if e < P:
             # MLX would otherwise schedule every block's decode at once (the
             # blocks are independent until the merge): evaluating here keeps
             # one block alive, which is the whole point of the loop.
             mx.eval(m, s, acc)
-    return m, s, acc
+    return m, s, vlay.from_slots(acc)  # pad slots dropped once per call
 
 
 def turboquant_attention(

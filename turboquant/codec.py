@@ -149,10 +149,10 @@ class TurboQuantCodec:
         return ("scalar", self.bits, self.dim)
 
     def unit_codes(self, words: mx.array) -> mx.array:
-        """Unit-scale rotated-domain reconstruction float32 [..., dim] (select-tree lookup)."""
-        from .attention import _codes
+        """Unit-scale rotated-domain reconstruction float32 [..., dim] (the CPU decoder's)."""
+        from .decode import block_decoder
 
-        return _codes(words, self.bits, self.dim)
+        return block_decoder(self.code_key).dense(words)
 
     def dequantize_rotated(self, packed: mx.array, norms: mx.array) -> mx.array:
         """float32 [..., dim] reconstruction in the rotated domain."""

@@ -3,15 +3,13 @@
 MLX's CPU gather (``mx.take``) costs ~15 ns per element; selecting by the
 index bits (``b`` levels of ``where`` over constant leaves) fuses into one
 elementwise kernel under ``mx.compile`` and is 5-10x faster, which is most
-of the decode time.  Both the scalar codebooks (``attention``) and the
-trellis union codebooks (``trellis``) decode through here.  MLX's CPU
+of the decode time.  Both the scalar codebooks and the trellis union
+codebooks decode through here (``decode``).  MLX's CPU
 fusion handles up to 16 leaves in one kernel; 32 leaves split the graph
 (measured 200 ms vs 12 ms for 4M codes), so callers keep trees at 16.
 """
 
 from __future__ import annotations
-
-from functools import lru_cache
 
 import mlx.core as mx
 
@@ -23,16 +21,3 @@ def select_tree(code: mx.array, leaves, n_bits: int) -> mx.array:
         bit = ((code >> k) & 1).astype(mx.bool_)
         vals = [mx.where(bit, vals[2 * j + 1], vals[2 * j]) for j in range(len(vals) // 2)]
     return vals[0]
-
-
-@lru_cache(maxsize=None)
-def compiled_lookup(leaves: tuple[float, ...]):
-    """Compiled ``code -> leaves[code]`` (shapeless: ragged blocks do not recompile)."""
-    n_bits = (len(leaves) - 1).bit_length()
-    if len(leaves) != 1 << n_bits:
-        raise ValueError(f"compiled_lookup: {len(leaves)} leaves, need a power of two")
-
-    def lookup(code: mx.array) -> mx.array:
-        return select_tree(code.astype(mx.uint32), leaves, n_bits)
-
-    return mx.compile(lookup, shapeless=True)

@@ -17,6 +17,7 @@ vectors, only over the ``W`` (<= b) words of one group.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from functools import lru_cache
 
 import mlx.core as mx
@@ -106,3 +107,87 @@ def unpack(words: mx.array, bits: int, dim: int) -> mx.array:
         parts.append(lo)
     vals = (parts[0] if w == 1 else mx.concatenate(parts, axis=-1)) & mask
     return vals.reshape(*lead, n_groups * g)[..., :dim].astype(mx.uint8)
+
+
+# ---------------------------------------------------------------- slot layout
+@dataclass(frozen=True)
+class SlotLayout:
+    """A gather-free view of one vector's packed indices, for the CPU decode.
+
+    Why: on MLX's CPU backend a gather costs ~9 ns per element and every
+    slice or concatenate ends a fused kernel, while a fused elementwise op
+    costs ~0.2 ns.  So the stream is read through 32-bit *windows*: at
+    b = 1, 2, 4 the words themselves (no index straddles a word), otherwise
+    windows starting every 16 bits (word ``w`` and the funnel
+    ``(word_w >> 16) | (word_{w+1} << 16)``), so that a field of ``b <= 16``
+    bits at stream offset ``o`` lies wholly inside window ``o // stride``.
+    Then index = ``(window >> (o % stride)) & mask``: one broadcast of the
+    windows ``[..., n_windows, 1]`` against a constant shift table
+    ``[n_windows, per]``.  At b = 1, 2, 4 every window holds ``per``
+    indices and the slots are the indices in order; at b = 3 windows hold
+    5 or 6 of ``per`` = 6, so the slot axis has pad slots (144 slots for
+    dim 128).  Pad slots decode to some codebook value: callers zero the
+    query there and drop them from value sums (:meth:`to_slots` /
+    :meth:`from_slots`).
+    """
+
+    bits: int
+    dim: int
+    stride: int  # bits between window starts: 32 (windows = words) or 16 (plus funnels)
+    n_windows: int
+    per: int
+    shifts: np.ndarray  # uint32 [n_windows, per]
+    index: np.ndarray  # int64 [n_windows * per]: the index in each slot, -1 for a pad slot
+
+    @property
+    def slots(self) -> int:
+        return self.n_windows * self.per
+
+    @property
+    def identity(self) -> bool:
+        """Slots are exactly the indices 0..dim-1 in order (no pad)."""
+        return self.slots == self.dim and bool(np.all(self.index == np.arange(self.dim)))
+
+    def windows(self, words: mx.array) -> mx.array:
+        """uint32 words [..., words] -> windows [..., n_windows, 1] (word-level ops only)."""
+        x = words.astype(mx.uint32)
+        if self.stride == 32:
+            return x[..., None]
+        nxt = mx.concatenate([x[..., 1:], mx.zeros((*x.shape[:-1], 1), mx.uint32)], axis=-1)
+        funnel = (x >> 16) | (nxt << 16)
+        return mx.stack([x, funnel], axis=-1).reshape(*x.shape[:-1], self.n_windows, 1)
+
+    def to_slots(self, x: mx.array) -> mx.array:
+        """[..., dim] -> [..., slots] with zeros in pad slots (for queries, offsets)."""
+        if self.identity:
+            return x
+        src = np.where(self.index < 0, self.dim, self.index)
+        xz = mx.concatenate([x, mx.zeros((*x.shape[:-1], 1), x.dtype)], axis=-1)
+        return mx.take(xz, mx.array(src), axis=-1)
+
+    def from_slots(self, x: mx.array) -> mx.array:
+        """[..., slots] -> [..., dim] (drops pad slots; for one decode's accumulator)."""
+        if self.identity:
+            return x
+        pos = np.nonzero(self.index >= 0)[0][np.argsort(self.index[self.index >= 0])]
+        return mx.take(x, mx.array(pos), axis=-1)
+
+
+@lru_cache(maxsize=None)
+def slot_layout(bits: int, dim: int) -> SlotLayout:
+    """The :class:`SlotLayout` of ``dim`` indices of ``bits`` bits (1..16)."""
+    if not 1 <= bits <= 16:
+        raise ValueError(f"slot_layout supports 1..16 bits per index, got bits={bits}")
+    stride = 32 if 32 % bits == 0 else 16
+    n_windows = packed_words(dim, bits) * (32 // stride)
+    per = -(-stride // bits)
+    shifts = np.zeros((n_windows, per), np.uint32)
+    index = np.full((n_windows, per), -1, np.int64)
+    fill = np.zeros(n_windows, np.int64)
+    for i in range(dim):
+        o = i * bits
+        a = o // stride
+        shifts[a, fill[a]] = o % stride
+        index[a, fill[a]] = i
+        fill[a] += 1
+    return SlotLayout(bits, dim, stride, n_windows, per, shifts, index.reshape(-1))

@@ -26,7 +26,10 @@ machine, no gathers):
   the parity picks the superset ``{p, p+2}``, the branch bit the subset,
   ``w`` the level inside it).  ``C`` is sorted for b = 2..4; each subset is
   always ascending, which is all the encoder needs (training left b = 1 with
-  two near-zero levels out of order).
+  two near-zero levels out of order).  ``C`` is symmetric, ``C[n-1-j] = -C[j]``
+  (trained that way: the source is symmetric, and flipping every branch
+  bit flips the parity because the tap mask has odd weight), which lets
+  the CPU decoder look up ``|C|`` in a 2^b-leaf tree plus a sign.
 
 * minus a fixed per-position offset at the first ``nu`` positions
   (``START_OFFSETS``): the zero start state restricts those positions to
@@ -43,9 +46,10 @@ subsets is Ungerboeck's set partitioning, which is what gives TCQ its gain.
 Measured at d=128 (unit vectors, lsq scale, ``python -m turboquant.bench``):
 MSE 0.72x / 0.68x / 0.67x the scalar Lloyd-Max codec at b = 2 / 3 / 4.
 
-A decoder therefore unpacks, XORs shifted branch bits and does a (b+1)-bit
-select-tree lookup: a few elementwise ops more than the scalar codec, and
-independent of ``nu`` (only the encoder's Viterbi search grows with 2^nu).
+A decoder therefore XORs shifted copies of the packed words (the parities)
+and does a select-tree lookup: a few word-level ops more than the scalar
+codec, independent of ``nu`` (only the encoder's Viterbi search grows with
+2^nu).  The attention's decoder is ``turboquant.decode``.
 
 Encoder: Viterbi over the 2^nu states.  Per coordinate the best level and
 its distortion in each of the four subsets are found once (they do not
@@ -62,9 +66,10 @@ the small mismatch); ``scripts/gen_trellis.py`` regenerates
 among the 64 odd masks with the top bit set; most masks were within 1%).
 
 Costs: quantizing is a Viterbi search, ~0.3 ms per vector of d=128 on one
-CPU core (~100x the scalar codec); decoding is ~2-3x the scalar codec's
-select-tree lookup on CPU (unpack, parity of the packed branch bits, two
-2^b-leaf select trees).  The GPU kernels do not implement it.
+CPU core (~100x the scalar codec); decoding is ~2x the scalar codec's on
+CPU (``turboquant.decode``: parity and sign-magnitude codes on the packed
+words, one 2^b-leaf select tree, a sign).  The GPU kernels do not
+implement it.
 """
 
 from __future__ import annotations
@@ -75,8 +80,7 @@ import mlx.core as mx
 import numpy as np
 
 from .codec import NORM_MODES, QuantizedVectors, stored_scale
-from .lookup import select_tree
-from .packing import pack, packed_words, unpack
+from .packing import pack, packed_words
 from .rotation import HadamardRotation
 
 BATCH_BYTES = 192 << 20  # most backpointer bytes alive per Viterbi batch
@@ -241,7 +245,10 @@ def viterbi(u: mx.array, levels, taps: int, nu: int, offsets=None) -> mx.array:
 
 def reconstruct(idx: mx.array, levels, taps: int, offsets=None) -> mx.array:
     """Unit-scale reconstruction C[2 idx + p] - offsets of index rows [..., d] (float32)."""
-    c = _union_values(idx, parity_bits(idx & 1, taps), tuple(float(c) for c in levels))
+    # A gather: this is the encoder's side (one call per quantize, next to a
+    # Viterbi search); attention decodes through ``turboquant.decode``.
+    j = (idx.astype(mx.uint32) << 1) | parity_bits(idx & 1, taps)
+    c = mx.take(mx.array(np.asarray(levels, np.float32)), j)
     if offsets is not None:
         c = c - mx.array(np.asarray(offsets, dtype=np.float32))
     return c
@@ -263,70 +270,6 @@ def union_levels(bits: int, dim: int) -> np.ndarray:
     if bits not in cbs:
         raise ValueError(f"TrellisCodec: bits must be one of {sorted(cbs)}, got {bits}")
     return np.asarray(cbs[bits], dtype=np.float64) / np.sqrt(dim)
-
-
-@lru_cache(maxsize=None)
-def _level_fns(levels: tuple[float, ...]):
-    """Compiled (idx, p) -> C[2 idx + p] pieces for one union codebook.
-
-    MLX's CPU fusion handles a 16-leaf select tree in one kernel (12 ms for
-    4M codes) but not a 32-leaf one (200 ms: the graph is split, see
-    ``lookup``), and an uncompiled ``where`` costs ~5 ns per element.  So: up to 16 levels, one
-    compiled tree over j = 2 idx + p; 32 levels (4 bits), two 16-leaf trees
-    over the low 4 bits of j and one compiled blend on the top bit.  (The
-    per-position offsets are subtracted outside: a broadcast operand inside
-    a shapeless compiled kernel made it 5x slower.)
-    """
-    n = len(levels)
-    n_bits = int(np.log2(n))
-    if n <= 16:
-        def whole(idx, p):
-            j = (idx.astype(mx.uint32) << 1) | p
-            return select_tree(j, levels, n_bits)
-
-        return (mx.compile(whole, shapeless=True),)
-    half = n // 2
-    top = n_bits - 2  # bit of idx that is bit n_bits-1 of j
-
-    def lo(idx, p):
-        return select_tree(((idx.astype(mx.uint32) << 1) | p) & (half - 1), levels[:half], n_bits - 1)
-
-    def hi(idx, p):
-        return select_tree(((idx.astype(mx.uint32) << 1) | p) & (half - 1), levels[half:], n_bits - 1)
-
-    def blend(a, b, idx):
-        return mx.where(((idx.astype(mx.uint32) >> top) & 1).astype(mx.bool_), b, a)
-
-    return tuple(mx.compile(f, shapeless=True) for f in (lo, hi, blend))
-
-
-def _union_values(idx: mx.array, p: mx.array, levels: tuple[float, ...]) -> mx.array:
-    """C[2 idx + p] for indices ``idx`` and parities ``p`` (``_level_fns``)."""
-    fns = _level_fns(levels)
-    if len(fns) == 1:
-        return fns[0](idx, p)
-    lo, hi, blend = fns
-    return blend(lo(idx, p), hi(idx, p), idx)
-
-
-def _decoder(bits: int, dim: int, levels: tuple[float, ...], taps: int,
-             offsets: tuple[float, ...] | None = None):
-    """words [..., words] -> unit-scale reconstruction float32 [..., dim].
-
-    C[2 idx + p] - offsets (None: the attention applies them to scores and
-    sums instead) through compiled select trees (``_level_fns``):
-    measured 2.7-3.6x faster than two 2^bits-leaf trees joined by an
-    uncompiled ``where`` (3 and 4 bits, 4M codes, this CPU).
-    """
-    levels = tuple(levels)
-    off = None if offsets is None else mx.array(np.asarray(offsets, dtype=np.float32))
-
-    def decode(words: mx.array) -> mx.array:
-        idx = unpack(words, bits, dim)
-        c = _union_values(idx, parity_bits(idx & 1, taps), levels)
-        return c if off is None else c - off
-
-    return decode
 
 
 class TrellisCodec:
@@ -366,7 +309,6 @@ class TrellisCodec:
         self.offsets = tuple(float(v) for v in start_offsets(bits, dim).astype(np.float32))
         self.words = packed_words(dim, bits)
         self.code_key = ("tcq", bits, dim, self.taps, self.levels, self.offsets)
-        self._decode = _decoder(bits, dim, self.levels, self.taps, self.offsets)
 
     def __repr__(self) -> str:
         return (f"TrellisCodec(dim={self.dim}, bits={self.bits}, norm_mode={self.norm_mode!r}, "
@@ -400,7 +342,9 @@ class TrellisCodec:
 
     def unit_codes(self, words: mx.array) -> mx.array:
         """Unit-scale rotated-domain reconstruction float32 [..., dim] of packed words."""
-        return self._decode(words)
+        from .decode import block_decoder
+
+        return block_decoder(self.code_key).dense(words)
 
     def dequantize_rotated(self, packed: mx.array, norms: mx.array) -> mx.array:
         """float32 [..., dim] reconstruction in the rotated domain."""
