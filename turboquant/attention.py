@@ -22,77 +22,23 @@ once for all its query heads (never repeated per query head).
 from __future__ import annotations
 
 from functools import lru_cache
-from typing import Optional, Union
+from typing import Optional
 
 import mlx.core as mx
 
 from .decode import block_decoder
+from .masks import NEG, Mask, apply_mask, as_5d, split_mask
 
 BLOCK = 4096  # most packed tokens per step of the online softmax
 BLOCK_ELEMENTS = 1 << 18  # and at most B*H_kv*T*max(D, rows) codes/scores per step.
 # Small blocks stay in the CPU caches: at 16k tokens (8 kv heads, d=128) 64- and
 # 1024-token blocks measured 1.35x / 1.37x the time of these 256-token ones.
-_NEG = -1e30  # finite "minus infinity": masked rows never produce NaN
-
-Mask = Union[None, str, mx.array]
 
 
 def code_key(codec) -> tuple:
     """Hashable description of how ``codec``'s words decode (scalar or TCQ)."""
     key = getattr(codec, "code_key", None)
     return key if key is not None else ("scalar", codec.bits, codec.dim)
-
-
-def _as_5d(mask: mx.array, B: int, H_kv: int, G: int) -> mx.array:
-    """Reshape a mask [..., L, K] so it broadcasts against scores [B, H_kv, G, L, K]."""
-    if mask.ndim <= 2:
-        return mask
-    if mask.ndim == 3:  # [B|1, L, K]
-        return mask[:, None, None]
-    b, h = mask.shape[:2]
-    if h == 1:
-        return mask[:, :, None]
-    if h != H_kv * G:
-        raise ValueError(
-            f"turboquant_attention: mask has {h} heads, queries have {H_kv * G}"
-        )
-    return mask.reshape(b, H_kv, G, *mask.shape[2:])
-
-
-def _apply(scores: mx.array, mask: Optional[mx.array]) -> mx.array:
-    """Apply a boolean or additive mask to scores [B, H_kv, G, L, K]."""
-    if mask is None:
-        return scores
-    if mask.dtype == mx.bool_:
-        return mx.where(mask, scores, _NEG)
-    return scores + mask.astype(scores.dtype)
-
-
-def _split_mask(mask: Mask, L: int, n_packed: int, n_window: int):
-    """Return (packed_mask, window_mask) as None or arrays [..., L, cols].
-
-    mlx-lm passes None, "causal" or an array.  Arrays over the window only
-    (what ``TurboQuantKVCache.make_mask`` builds) leave the packed history
-    fully visible; arrays over all ``n_packed + n_window`` columns are split.
-    """
-    if mask is None:
-        return None, None
-    if isinstance(mask, str):
-        if mask != "causal":
-            raise ValueError(f"turboquant_attention: unknown mask mode {mask!r}")
-        if L == 1:
-            return None, None
-        q = mx.arange(n_window - L, n_window)[:, None]
-        return None, q >= mx.arange(n_window)[None]
-    cols = mask.shape[-1]
-    if cols == n_window:
-        return None, mask
-    if cols == n_packed + n_window:
-        return mask[..., :n_packed], mask[..., n_packed:]
-    raise ValueError(
-        f"turboquant_attention: mask has {cols} key columns; expected the window "
-        f"({n_window}) or packed + window ({n_packed + n_window})"
-    )
 
 
 def _block_step(kkey: tuple, vkey: tuple):
@@ -131,7 +77,7 @@ def _update(k_offsets: bool, v_offsets: bool):
         if mask is not None:
             B, H, M, T = scores.shape
             L = mask.shape[-2]
-            scores = _apply(scores.reshape(B, H, M // L, L, T), mask).reshape(B, H, M, T)
+            scores = apply_mask(scores.reshape(B, H, M // L, L, T), mask).reshape(B, H, M, T)
         m_new = mx.maximum(m, scores.max(axis=-1, keepdims=True))
         p = mx.exp(scores - m_new)
         corr = mx.exp(m - m_new)
@@ -155,7 +101,7 @@ def _packed_part(q_rot: mx.array, cache, packed_mask: Optional[mx.array], G: int
     kkey, vkey = code_key(cache.key_codec), code_key(cache.value_codec)
     klay, vlay = block_decoder(kkey).layout, block_decoder(vkey).layout
     q_rot = klay.to_slots(q_rot)  # zero in pad slots: they add nothing to the scores
-    m = mx.full((B, H_kv, M, 1), _NEG, mx.float32)
+    m = mx.full((B, H_kv, M, 1), NEG, mx.float32)
     s = mx.zeros((B, H_kv, M, 1), mx.float32)
     acc = mx.zeros((B, H_kv, M, vlay.slots), mx.float32)
     P = cache.packed_len
@@ -201,18 +147,18 @@ def turboquant_attention(
     G = H_q // H_kv
     M = G * L
     P = cache.packed_len
-    packed_mask, window_mask = _split_mask(mask, L, P, W)
+    packed_mask, window_mask = split_mask(mask, L, P, W)
     if packed_mask is not None:
-        packed_mask = _as_5d(packed_mask, B, H_kv, G)
+        packed_mask = as_5d(packed_mask, B, H_kv, G)
     if window_mask is not None:
-        window_mask = _as_5d(window_mask, B, H_kv, G)
+        window_mask = as_5d(window_mask, B, H_kv, G)
 
     q = (queries.astype(mx.float32) * scale).reshape(B, H_kv, M, D)
 
     # exact window
     scores = q @ window_keys.astype(mx.float32).swapaxes(-1, -2)
     if window_mask is not None:
-        scores = _apply(scores.reshape(B, H_kv, G, L, W), window_mask).reshape(B, H_kv, M, W)
+        scores = apply_mask(scores.reshape(B, H_kv, G, L, W), window_mask).reshape(B, H_kv, M, W)
     m_w = scores.max(axis=-1, keepdims=True)
     p = mx.exp(scores - m_w)
     s_w = p.sum(axis=-1, keepdims=True)

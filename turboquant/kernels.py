@@ -38,6 +38,8 @@ from typing import Optional
 
 import mlx.core as mx
 
+from .masks import apply_mask, as_5d, split_mask
+
 SOURCE_DIR = Path(__file__).resolve().parent.parent / "metal"
 MODES = ("auto", "gpu", "reference")
 
@@ -497,7 +499,7 @@ def _decode_attention(queries, window_keys, window_values, cache, scale, window_
     by log-sum-exp with exact attention over the window (as the reference
     path merges its online-softmax state)."""
     B, H_q, L, D = queries.shape
-    H_kv, W = window_keys.shape[1], window_keys.shape[2]
+    H_kv = window_keys.shape[1]
     G = H_q // H_kv
     vrot = _value_rotation(cache)
     pre, post = _glue(cache.rotation, vrot, scale, G, L)
@@ -533,8 +535,6 @@ def _window_attention(q, window_keys, window_values, window_mask, G: int, L: int
     blocks of query positions so the float32 scores of a prefill chunk
     (2048 queries x 2k window x 32 heads = 0.5 GB) never exist at once:
     at most ``WINDOW_SCORES_BYTES`` per block."""
-    from .attention import _apply
-
     B, H_kv, R, D = q.shape
     W = window_keys.shape[2]
     kT = window_keys.astype(mx.float32).swapaxes(-1, -2)[:, :, None]
@@ -548,7 +548,7 @@ def _window_attention(q, window_keys, window_values, window_mask, G: int, L: int
         mask = window_mask
         if mask is not None and mask.ndim >= 2 and mask.shape[-2] == L:
             mask = mask[..., l0:l1, :]
-        scores = _apply(scores, mask)
+        scores = apply_mask(scores, mask)
         lse = mx.logsumexp(scores, axis=-1, keepdims=True)
         lses.append(lse)
         outs.append(mx.exp(scores - lse) @ vw)
@@ -654,7 +654,7 @@ def turboquant_attention(
         )
     B, H_q, L, D = queries.shape
     H_kv, W = window_keys.shape[1], window_keys.shape[2]
-    packed_mask, window_mask = attention._split_mask(mask, L, cache.packed_len, W)
+    packed_mask, window_mask = split_mask(mask, L, cache.packed_len, W)
     rows = (H_q // H_kv) * L
     # The tensor-core kernel tiles any number of query rows (prefill chunks
     # too) straight from the packed codes: no dequantized history at all.
@@ -668,5 +668,5 @@ def turboquant_attention(
             )
         return _prefill_attention(queries, window_keys, window_values, cache, scale, mask)
     if window_mask is not None:
-        window_mask = attention._as_5d(window_mask, B, H_kv, H_q // H_kv)
+        window_mask = as_5d(window_mask, B, H_kv, H_q // H_kv)
     return _decode_attention(queries, window_keys, window_values, cache, scale, window_mask)
