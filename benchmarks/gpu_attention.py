@@ -190,7 +190,7 @@ def bench_decode(lengths, results, bw):
         mx.clear_cache()
 
 
-def bench_decode_variants(n, results):
+def bench_decode_variants(n, results, blocks_list=(264, 396, 792)):
     """Launch-shape sweep of the tensor-core kernel (warps, threadgroups) at one length."""
     q_rot = mx.random.normal((1, HKV, HQ // HKV, D)) * SCALE
     c0 = tq_cache(n, 3.5)
@@ -198,7 +198,7 @@ def bench_decode_variants(n, results):
     print(f"\n== tensor-core decode kernel launch shapes at {n} tokens, 3.5-bit")
     best = None
     for nw, minb in ((4, 0), (8, 2)):
-        for blocks in (264, 396, 792):
+        for blocks in blocks_list:
             os.environ.update(TQ_TC_NW=str(nw), TQ_TC_BLOCKS=str(blocks), TQ_TC_MINBLOCKS=str(minb))
             try:
                 t = timeit([tq_decode_fn(c, q_rot) for c in cs], repeats=5)
@@ -333,7 +333,9 @@ def bench_prefill(n, chunk, results):
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--lengths", default="8k,32k,128k,512k,1M")
-    ap.add_argument("--sweep", default="512k", help="length for the launch-shape sweep ('none' = skip)")
+    ap.add_argument("--sweep", default="512k",
+                    help="comma-separated lengths for the launch-shape sweep ('none' = skip)")
+    ap.add_argument("--sweep-blocks", default="264,396,792", help="threadgroup counts the sweep tries")
     ap.add_argument("--prefill", default="128k", help="prefill length ('none' = skip)")
     ap.add_argument("--chunk", type=int, default=2048)
     ap.add_argument("--json", default="")
@@ -348,11 +350,13 @@ def main() -> int:
     results["copy_Bps"] = bw
     print(f"device copy rate (read + write): {bw / 1e12:.2f} TB/s")
     if args.sweep not in ("", "none"):
-        best = bench_decode_variants(parse_len(args.sweep), results)
-        if best:
-            _, nw, minb, blocks = best
-            print(f"  best: NW={nw} minblocks={minb} blocks={blocks} (the tables below use the defaults)")
-            results["best_variant"] = best
+        blocks_list = tuple(int(b) for b in args.sweep_blocks.split(","))
+        for length in args.sweep.split(","):
+            best = bench_decode_variants(parse_len(length), results, blocks_list)
+            if best:
+                _, nw, minb, blocks = best
+                print(f"  best: NW={nw} minblocks={minb} blocks={blocks} (the tables below use the defaults)")
+                results.setdefault("best_variant", {})[length] = best
     bench_decode([parse_len(s) for s in args.lengths.split(",") if s], results, bw)
     bench_append(parse_len("32k"), results)
     if args.prefill not in ("", "none"):

@@ -103,6 +103,21 @@ def test_decode_config_covers_all_tokens(d, rows, n):
     assert (cfg["S"] - 1) * cfg["TOKS"] < n <= cfg["S"] * cfg["TOKS"]
 
 
+@pytest.mark.parametrize("n", [1, 1000, 32768, 131072, 262144, 1 << 20])
+def test_tc_config_covers_all_tokens_with_the_measured_launch_shapes(n, monkeypatch):
+    monkeypatch.delenv("TQ_TC_BLOCKS", raising=False)
+    cfg = kernels.tc_config(128, 4, 8, n)
+    assert cfg["TOKS"] % (16 * cfg["NW"]) == 0  # whole 16-token tiles per warp
+    assert (cfg["S"] - 1) * cfg["TOKS"] < n <= cfg["S"] * cfg["TOKS"]
+    # ~198 threadgroups below TC_LONG_TOKENS, ~396 from there on (H200 sweeps)
+    if n >= 32768:
+        target = 396 if n >= kernels.TC_LONG_TOKENS else 198
+        assert abs(8 * cfg["S"] - target) <= 8
+    monkeypatch.setenv("TQ_TC_BLOCKS", "792")
+    if n >= 1 << 20:
+        assert 8 * kernels.tc_config(128, 4, 8, n)["S"] >= 792
+
+
 def test_decode_config_rejects_uncovered_shapes():
     assert kernels.decode_config(80, 4, 8, 100) is None  # 80/16 lanes per token
     assert kernels.decode_config(512, 1, 8, 100) is None

@@ -233,15 +233,21 @@ def uses_tc(d: int, capacity: int) -> bool:
     return decode_impl(d) == "tc" and capacity % 2 == 0
 
 
+TC_LONG_TOKENS = 1 << 18  # from here on a full wave of 3 threadgroups per SM (tc_config)
+
+
 def tc_config(d: int, rows: int, b_hkv: int, n: int) -> dict:
     """Launch shape of the tensor-core kernel.
 
     A threadgroup serves one tile of up to 16 query rows (``GL``) of one kv
     head with ``NW`` warps; tokens are split so that about
-    ``TQ_TC_BLOCKS`` threadgroups cover the GPU (default 396: one full wave
-    of 3 per SM on the H200's 132 SMs -- ~150 registers x 128 threads allow 3;
-    best of the launch-shape sweep in docs/benchmarks.md).  Prefill chunks bring
-    many row tiles and need no token split.
+    ``TQ_TC_BLOCKS`` threadgroups cover the GPU.  Default, from the
+    launch-shape sweeps on the H200 (132 SMs; docs/benchmarks.md): 396 (one
+    full wave of 3 per SM -- ~150 registers x 128 threads allow 3) from 256k
+    tokens on (best of 264-1188 at 512k), 198 below (best of 66-396 at 32k
+    and 128k, 17-18% faster than 396 there: every threadgroup first copies
+    the 24 KB of pair tables into shared memory, which short splits do not
+    amortize).  Prefill chunks bring many row tiles and need no token split.
     """
     gl = min(rows, 16)
     rt = -(-rows // 16)
@@ -249,7 +255,7 @@ def tc_config(d: int, rows: int, b_hkv: int, n: int) -> dict:
     if gl > 8:
         nw = min(nw, 4)  # shared-memory budget of the 16-row reduction
     step = 16 * nw
-    target = int(os.environ.get("TQ_TC_BLOCKS", 396))
+    target = int(os.environ.get("TQ_TC_BLOCKS", 0)) or (396 if n >= TC_LONG_TOKENS else 198)
     splits = max(1, -(-target // max(1, b_hkv * rt)))
     toks = max(4 * step, -(-n // splits))  # >= 4 tiles per warp: the table copy amortizes
     toks = -(-toks // step) * step
