@@ -65,8 +65,8 @@ the small mismatch); ``scripts/gen_trellis.py`` regenerates
 ``trellis_tables.py`` and picked the tap mask (0xe5: the lowest MSE at b=2
 among the 64 odd masks with the top bit set; most masks were within 1%).
 
-Costs: quantizing is a Viterbi search, ~0.3 ms per vector of d=128 on one
-CPU core (~100x the scalar codec); decoding is ~2x the scalar codec's on
+Costs: quantizing is a Viterbi search, ~0.17 ms per vector of d=128 on this
+2-core CPU (~65-90x the scalar codec); decoding is ~2x the scalar codec's on
 CPU (``turboquant.decode``: parity and sign-magnitude codes on the packed
 words, one 2^b-leaf select tree, a sign).  The GPU kernels do not
 implement it.
