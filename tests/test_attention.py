@@ -31,12 +31,13 @@ def dense_reference(q, cache, wk, wv, scale, mask):
     return mx.softmax(s, axis=-1) @ values
 
 
-def filled_cache(bits, H_kv, D, n_first, n_then, window, seed=0, offsets=True, flush_batch=1):
+def filled_cache(bits, H_kv, D, n_first, n_then, window, seed=0, offsets=True, flush_batch=1,
+                 quantizer="scalar"):
     """A cache after a prefill of n_first tokens and a chunk of n_then
     (``flush_batch=1``: every token beyond the window is packed at once)."""
     mx.random.seed(seed)
     bias = 3.0 * mx.random.normal((1, H_kv, 1, D)) if offsets else 0.0
-    c = TurboQuantKVCache(bits, window=window, seed=seed, flush_batch=flush_batch)
+    c = TurboQuantKVCache(bits, window=window, seed=seed, flush_batch=flush_batch, quantizer=quantizer)
     k1 = mx.random.normal((1, H_kv, n_first, D)) + bias
     c.update_and_fetch(k1, mx.random.normal((1, H_kv, n_first, D)) + bias)
     k2 = mx.random.normal((1, H_kv, n_then, D)) + bias
@@ -62,6 +63,21 @@ def test_matches_dense_attention_on_dequantized_cache(G, L, bits, monkeypatch):
     out = turboquant_attention(q, wk, wv, c, D**-0.5, mask)
     close(out, dense_reference(q, c, wk, wv, D**-0.5, mask))
     assert out.dtype == q.dtype and out.shape == q.shape
+
+
+@pytest.mark.parametrize("quantizer", ["scalar", "tcq"])
+@pytest.mark.parametrize("bits,D", [(3, 80), (3.5, 96), (3, 128), (2.5, 128)])
+def test_slot_layouts_with_pad_slots_match_dense_attention(quantizer, bits, D):
+    """3-bit codes decode through pad slots (decode.SlotLayout): q is zeroed
+    there and the value sum drops them; odd head dims leave ragged words."""
+    H_kv, G, L = 2, 4, 5
+    c, wk, wv = filled_cache(bits, H_kv, D, n_first=140, n_then=L, window=16, quantizer=quantizer)
+    assert c.quantizer == quantizer and c.packed_len == 140 - 16
+    q = mx.random.normal((1, H_kv * G, L, D))
+    full = mx.random.uniform(shape=(L, c.packed_len + wk.shape[2])) > 0.3  # reaches into history
+    full[:, -1] = True  # no row fully masked
+    for mask in ("causal", full):
+        close(turboquant_attention(q, wk, wv, c, D**-0.5, mask), dense_reference(q, c, wk, wv, D**-0.5, mask))
 
 
 @pytest.mark.parametrize("kind", ["window_bool", "full_bool", "full_additive", "per_head"])
