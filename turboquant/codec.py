@@ -44,7 +44,7 @@ from typing import NamedTuple
 import mlx.core as mx
 
 from .codebooks import codebook
-from .packing import pack, packed_words, unpack
+from .packing import pack, packed_words
 from .rotation import HadamardRotation
 
 _F16_MAX = 65504.0
@@ -83,7 +83,66 @@ def stored_scale(norm: mx.array, dot: mx.array, c_sq: mx.array, norm_mode: str) 
     return mx.clip(scale, -_F16_MAX, _F16_MAX).astype(mx.float16)
 
 
-class TurboQuantCodec:
+class PackedCodec:
+    """What both codecs of the cache share (this one and ``trellis.TrellisCodec``).
+
+    A vector is stored as ``bits``-bit indices of its rotated unit direction,
+    packed as ``turboquant.packing`` lays them out, plus one float16 scale:
+    the same words and bytes whichever quantizer chose the indices.
+    Subclasses choose the indices (``quantize_rotated``) and say how they
+    decode (``code_key``, read by ``turboquant.decode``).
+    """
+
+    quantizer: str
+    code_key: tuple
+
+    def _init_layout(self, dim: int, bits: int, rotation: HadamardRotation | None, norm_mode: str) -> None:
+        name = type(self).__name__
+        if rotation is None:
+            rotation = HadamardRotation(dim, 0)
+        if rotation.dim != dim:
+            raise ValueError(f"{name}: rotation has dim {rotation.dim}, codec dim {dim}")
+        if norm_mode not in NORM_MODES:
+            raise ValueError(f"{name}: norm_mode={norm_mode!r}; choose one of {NORM_MODES}")
+        self.dim, self.bits, self.rotation, self.norm_mode = dim, bits, rotation, norm_mode
+        self.words = packed_words(dim, bits)
+
+    @property
+    def bytes_per_vector(self) -> int:
+        """Stored bytes per vector: packed words plus the float16 scale."""
+        return 4 * self.words + 2
+
+    def quantize(self, x: mx.array) -> QuantizedVectors:
+        """Quantize ``x`` [..., dim] (original domain)."""
+        return self.quantize_rotated(self.rotation.forward(x.astype(mx.float32)))
+
+    def quantize_rotated(self, y: mx.array) -> QuantizedVectors:
+        raise NotImplementedError
+
+    def _unit_direction(self, y: mx.array) -> tuple[mx.array, mx.array]:
+        """(‖y‖, y / ‖y‖) of rotated vectors ``y`` [..., dim] in float32 (a zero vector -> u = 0, scale 0)."""
+        if y.shape[-1] != self.dim:
+            raise ValueError(f"{type(self).__name__}.quantize: last axis {y.shape[-1]}, expected {self.dim}")
+        y = y.astype(mx.float32)
+        norm = mx.linalg.norm(y, axis=-1)
+        return norm, y / mx.maximum(norm, 1e-30)[..., None]
+
+    def unit_codes(self, words: mx.array) -> mx.array:
+        """Unit-scale rotated-domain reconstruction float32 [..., dim] (the CPU decoder's)."""
+        from .decode import block_decoder
+
+        return block_decoder(self.code_key).dense(words)
+
+    def dequantize_rotated(self, packed: mx.array, norms: mx.array) -> mx.array:
+        """float32 [..., dim] reconstruction in the rotated domain."""
+        return self.unit_codes(packed) * norms.astype(mx.float32)[..., None]
+
+    def dequantize(self, packed: mx.array, norms: mx.array) -> mx.array:
+        """float32 [..., dim] reconstruction in the original domain."""
+        return self.rotation.inverse(self.dequantize_rotated(packed, norms))
+
+
+class TurboQuantCodec(PackedCodec):
     """Quantize vectors of size ``dim`` to ``bits`` per coordinate (+ a float16 norm)."""
 
     quantizer = "scalar"  # vs "tcq" (turboquant.trellis.TrellisCodec), same bytes
@@ -92,39 +151,19 @@ class TurboQuantCodec:
         self, dim: int, bits: int, rotation: HadamardRotation | None = None,
         norm_mode: str = "lsq", gain_search: bool = False,
     ):
-        if rotation is None:
-            rotation = HadamardRotation(dim, 0)
-        if rotation.dim != dim:
-            raise ValueError(f"TurboQuantCodec: rotation has dim {rotation.dim}, codec dim {dim}")
-        if norm_mode not in NORM_MODES:
-            raise ValueError(f"TurboQuantCodec: norm_mode={norm_mode!r}; choose one of {NORM_MODES}")
-        self.dim, self.bits, self.rotation, self.norm_mode = dim, bits, rotation, norm_mode
+        self._init_layout(dim, bits, rotation, norm_mode)
         self.gain_search = bool(gain_search)
         self.codebook = codebook(bits, dim)
         self.centroids = self.codebook.centroids_mx()
-        self.words = packed_words(dim, bits)
         self._index = _index_fn(list(self.codebook.boundaries))
 
     def __repr__(self) -> str:
         return (f"TurboQuantCodec(dim={self.dim}, bits={self.bits}, norm_mode={self.norm_mode!r}, "
                 f"gain_search={self.gain_search})")
 
-    @property
-    def bytes_per_vector(self) -> int:
-        """Stored bytes per vector: packed words plus the float16 norm."""
-        return 4 * self.words + 2
-
-    def quantize(self, x: mx.array) -> QuantizedVectors:
-        """Quantize ``x`` [..., dim] (original domain)."""
-        return self.quantize_rotated(self.rotation.forward(x.astype(mx.float32)))
-
     def quantize_rotated(self, y: mx.array) -> QuantizedVectors:
         """Quantize already-rotated vectors ``y`` [..., dim]."""
-        if y.shape[-1] != self.dim:
-            raise ValueError(f"TurboQuantCodec.quantize: last axis {y.shape[-1]}, expected {self.dim}")
-        y = y.astype(mx.float32)
-        norm = mx.linalg.norm(y, axis=-1)
-        u = y / mx.maximum(norm, 1e-30)[..., None]  # zero vector -> u = 0, scale 0
+        norm, u = self._unit_direction(y)
         idx, dot, c_sq = self._cell(u, u)
         if self.gain_search:
             best = dot * mx.rsqrt(c_sq)
@@ -148,17 +187,3 @@ class TurboQuantCodec:
         """How the words decode (``turboquant.attention`` keys its compiled steps on it)."""
         return ("scalar", self.bits, self.dim)
 
-    def unit_codes(self, words: mx.array) -> mx.array:
-        """Unit-scale rotated-domain reconstruction float32 [..., dim] (the CPU decoder's)."""
-        from .decode import block_decoder
-
-        return block_decoder(self.code_key).dense(words)
-
-    def dequantize_rotated(self, packed: mx.array, norms: mx.array) -> mx.array:
-        """float32 [..., dim] reconstruction in the rotated domain."""
-        idx = unpack(packed, self.bits, self.dim)
-        return self.centroids[idx] * norms.astype(mx.float32)[..., None]
-
-    def dequantize(self, packed: mx.array, norms: mx.array) -> mx.array:
-        """float32 [..., dim] reconstruction in the original domain."""
-        return self.rotation.inverse(self.dequantize_rotated(packed, norms))

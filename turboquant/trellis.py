@@ -79,8 +79,8 @@ from functools import lru_cache
 import mlx.core as mx
 import numpy as np
 
-from .codec import NORM_MODES, QuantizedVectors, stored_scale
-from .packing import pack, packed_words
+from .codec import PackedCodec, QuantizedVectors, stored_scale
+from .packing import pack
 from .rotation import HadamardRotation
 
 BATCH_BYTES = 192 << 20  # most backpointer bytes alive per Viterbi batch
@@ -281,7 +281,7 @@ def union_levels(bits: int, dim: int) -> np.ndarray:
     return np.asarray(cbs[bits], dtype=np.float64) / np.sqrt(dim)
 
 
-class TrellisCodec:
+class TrellisCodec(PackedCodec):
     """TCQ codec with the interface and byte layout of ``TurboQuantCodec``.
 
     ``bits`` per coordinate (1..4) packed exactly as the scalar codec packs
@@ -299,12 +299,7 @@ class TrellisCodec:
     ):
         from .trellis_tables import STATES_LOG2, TAPS
 
-        if rotation is None:
-            rotation = HadamardRotation(dim, 0)
-        if rotation.dim != dim:
-            raise ValueError(f"TrellisCodec: rotation has dim {rotation.dim}, codec dim {dim}")
-        if norm_mode not in NORM_MODES:
-            raise ValueError(f"TrellisCodec: norm_mode={norm_mode!r}; choose one of {NORM_MODES}")
+        self._init_layout(dim, bits, rotation, norm_mode)
         if states_log2 is None:
             states_log2 = STATES_LOG2
         if states_log2 != STATES_LOG2:
@@ -312,36 +307,22 @@ class TrellisCodec:
                 f"TrellisCodec: states_log2={states_log2}; the codebooks in trellis_tables.py "
                 f"were trained for {STATES_LOG2} (rerun scripts/gen_trellis.py --nu {states_log2})"
             )
-        self.dim, self.bits, self.rotation, self.norm_mode = dim, bits, rotation, norm_mode
         self.states_log2, self.taps = states_log2, TAPS
         self.levels = tuple(float(v) for v in union_levels(bits, dim).astype(np.float32))
         self.offsets = tuple(float(v) for v in start_offsets(bits, dim).astype(np.float32))
-        self.words = packed_words(dim, bits)
         self.code_key = ("tcq", bits, dim, self.taps, self.levels, self.offsets)
 
     def __repr__(self) -> str:
         return (f"TrellisCodec(dim={self.dim}, bits={self.bits}, norm_mode={self.norm_mode!r}, "
                 f"states_log2={self.states_log2}, taps={self.taps:#x})")
 
-    @property
-    def bytes_per_vector(self) -> int:
-        """Stored bytes per vector: packed words plus the float16 norm (= scalar codec)."""
-        return 4 * self.words + 2
-
-    def quantize(self, x: mx.array) -> QuantizedVectors:
-        """Quantize ``x`` [..., dim] (original domain)."""
-        return self.quantize_rotated(self.rotation.forward(x.astype(mx.float32)))
-
     def quantize_rotated(self, y: mx.array) -> QuantizedVectors:
         """Quantize already-rotated vectors ``y`` [..., dim] (Viterbi search)."""
-        if y.shape[-1] != self.dim:
-            raise ValueError(f"TrellisCodec.quantize: last axis {y.shape[-1]}, expected {self.dim}")
         lead = y.shape[:-1]
-        y = y.astype(mx.float32).reshape(-1, self.dim)
-        norm = mx.linalg.norm(y, axis=-1)
-        u = y / mx.maximum(norm, 1e-30)[..., None]  # zero vector -> u = 0, scale 0
-        if y.shape[0] == 0:
-            idx = mx.zeros(y.shape, mx.uint32)
+        norm, u = self._unit_direction(y)
+        norm, u = norm.reshape(-1), u.reshape(-1, self.dim)
+        if u.shape[0] == 0:
+            idx = mx.zeros(u.shape, mx.uint32)
         else:
             idx = viterbi(u, self.levels, self.taps, self.states_log2, self.offsets)
         c = reconstruct(idx, self.levels, self.taps, self.offsets)
@@ -349,16 +330,3 @@ class TrellisCodec:
         scale = stored_scale(norm, dot, c_sq, self.norm_mode)
         return QuantizedVectors(pack(idx, self.bits).reshape(*lead, self.words), scale.reshape(lead))
 
-    def unit_codes(self, words: mx.array) -> mx.array:
-        """Unit-scale rotated-domain reconstruction float32 [..., dim] of packed words."""
-        from .decode import block_decoder
-
-        return block_decoder(self.code_key).dense(words)
-
-    def dequantize_rotated(self, packed: mx.array, norms: mx.array) -> mx.array:
-        """float32 [..., dim] reconstruction in the rotated domain."""
-        return self.unit_codes(packed) * norms.astype(mx.float32)[..., None]
-
-    def dequantize(self, packed: mx.array, norms: mx.array) -> mx.array:
-        """float32 [..., dim] reconstruction in the original domain."""
-        return self.rotation.inverse(self.dequantize_rotated(packed, norms))
