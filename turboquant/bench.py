@@ -430,6 +430,13 @@ def decode_timing(cfg: Config) -> dict:
 
 
 # ---------------------------------------------------------------- report
+def _width_rows(log, r: dict, cells) -> None:
+    """One table row per kv width: ``cells(g)`` formats the columns, with
+    ``g(name)`` the result ``r[f"{name}{width}"]`` (NaN when missing)."""
+    for w in ALLOWED_KV_BITS:
+        log(f"  {w:>7} " + cells(lambda n, w=w: r.get(f"{n}{w}", float("nan"))))
+
+
 def run(cfg: Config, log=print) -> dict:
     t_start = time.perf_counter()
 
@@ -465,18 +472,16 @@ def run(cfg: Config, log=print) -> dict:
         log(f"  fp16 {r['fp16']:.2e}  affine4 {r['affine4']:.2e}  affine8 {r['affine8']:.2e}")
         log(f"  {'kv_bits':>7} {'ours':>9} {'ours_pres':>9} {'codec':>9} {'codec_pres':>10} "
             f"{'peer':>9} {'ours/peer':>9} {'system':>9} {'sys_nowin':>9}")
-        for w in ALLOWED_KV_BITS:
-            g = lambda n: r.get(f"{n}{w}", float("nan"))  # noqa: E731
-            log(f"  {w:>7} {g('ours'):9.5f} {g('ours_preserve'):9.5f} {g('codec_only'):9.5f} "
-                f"{g('codec_only_preserve'):10.5f} {g('peer'):9.5f} {g('ours') / g('peer'):9.3f} "
-                f"{g('system'):9.5f} {g('system_nowindow'):9.5f}")
+        _width_rows(log, r, lambda g: (
+            f"{g('ours'):9.5f} {g('ours_preserve'):9.5f} {g('codec_only'):9.5f} "
+            f"{g('codec_only_preserve'):10.5f} {g('peer'):9.5f} {g('ours') / g('peer'):9.3f} "
+            f"{g('system'):9.5f} {g('system_nowindow'):9.5f}"))
         log(f"  {'kv_bits':>7} {'tcq':>9} {'tcq/peer':>9} {'tcq/ours':>9} {'tcq_codec':>9} "
             f"{'sys_tcq':>9} {'ours_rawmean':>12} {'raw/peer':>9}   (TCQ: trellis-coded, same bytes)")
-        for w in ALLOWED_KV_BITS:
-            g = lambda n: r.get(f"{n}{w}", float("nan"))  # noqa: E731
-            log(f"  {w:>7} {g('tcq'):9.5f} {g('tcq') / g('peer'):9.3f} {g('tcq') / g('ours'):9.3f} "
-                f"{g('tcq_codec_only'):9.5f} {g('system_tcq'):9.5f} {g('ours_rawmean'):12.5f} "
-                f"{g('ours_rawmean') / g('peer'):9.3f}")
+        _width_rows(log, r, lambda g: (
+            f"{g('tcq'):9.5f} {g('tcq') / g('peer'):9.3f} {g('tcq') / g('ours'):9.3f} "
+            f"{g('tcq_codec_only'):9.5f} {g('system_tcq'):9.5f} {g('ours_rawmean'):12.5f} "
+            f"{g('ours_rawmean') / g('peer'):9.3f}"))
         gs = "  ".join(f"{w}: {r[f'ours_search{w}']:.5f}" for w in ALLOWED_KV_BITS)
         log(f"  ours + gain search (same layout): {gs}")
         sw = "  ".join(f"{w}: {r[f'ours_swapped{w}']:.5f}" for w in (2.5, 3.5))
