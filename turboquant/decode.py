@@ -160,10 +160,8 @@ def _tcq_fn(bits: int, dim: int, levels: tuple[float, ...], taps: int):
 
     def codes(words):
         x = words.astype(mx.uint32)
-        z = mx.zeros((*x.shape[:-1], 1), mx.uint32)
-        prev = mx.concatenate([z, x[..., :-1]], axis=-1)
-        nxt = mx.concatenate([x[..., 1:], z], axis=-1)
-        m = words_fn(x, prev, nxt)
+        padded = mx.pad(x, [(0, 0)] * (x.ndim - 1) + [(1, 1)])  # a zero word on each side
+        m = words_fn(x, padded[..., :-2], padded[..., 2:])  # (x, previous word, next word)
         v = f_sign(f_mag(layout.windows(m)), layout.windows(x))
         return _slot_shape(layout, words, v)
 

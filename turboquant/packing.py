@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cached_property, lru_cache
 
 import mlx.core as mx
 import numpy as np
@@ -143,17 +143,28 @@ class SlotLayout:
     def slots(self) -> int:
         return self.n_windows * self.per
 
-    @property
+    @cached_property
     def identity(self) -> bool:
         """Slots are exactly the indices 0..dim-1 in order (no pad)."""
         return self.slots == self.dim and bool(np.all(self.index == np.arange(self.dim)))
+
+    @cached_property
+    def _slot_sources(self) -> mx.array:
+        """For each slot, its index, or ``dim`` (a zero column) for a pad slot."""
+        return mx.array(np.where(self.index < 0, self.dim, self.index))
+
+    @cached_property
+    def _index_slots(self) -> mx.array:
+        """For each index 0..dim-1, the slot holding it."""
+        real = np.nonzero(self.index >= 0)[0]
+        return mx.array(real[np.argsort(self.index[real])])
 
     def windows(self, words: mx.array) -> mx.array:
         """uint32 words [..., words] -> windows [..., n_windows, 1] (word-level ops only)."""
         x = words.astype(mx.uint32)
         if self.stride == 32:
             return x[..., None]
-        nxt = mx.concatenate([x[..., 1:], mx.zeros((*x.shape[:-1], 1), mx.uint32)], axis=-1)
+        nxt = mx.pad(x[..., 1:], [(0, 0)] * (x.ndim - 1) + [(0, 1)])
         funnel = (x >> 16) | (nxt << 16)
         return mx.stack([x, funnel], axis=-1).reshape(*x.shape[:-1], self.n_windows, 1)
 
@@ -161,16 +172,14 @@ class SlotLayout:
         """[..., dim] -> [..., slots] with zeros in pad slots (for queries, offsets)."""
         if self.identity:
             return x
-        src = np.where(self.index < 0, self.dim, self.index)
-        xz = mx.concatenate([x, mx.zeros((*x.shape[:-1], 1), x.dtype)], axis=-1)
-        return mx.take(xz, mx.array(src), axis=-1)
+        xz = mx.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, 1)])
+        return mx.take(xz, self._slot_sources, axis=-1)
 
     def from_slots(self, x: mx.array) -> mx.array:
         """[..., slots] -> [..., dim] (drops pad slots; for one decode's accumulator)."""
         if self.identity:
             return x
-        pos = np.nonzero(self.index >= 0)[0][np.argsort(self.index[self.index >= 0])]
-        return mx.take(x, mx.array(pos), axis=-1)
+        return mx.take(x, self._index_slots, axis=-1)
 
 
 @lru_cache(maxsize=None)
