@@ -18,6 +18,7 @@
 #define TQ_FLOAT2(a, b) make_float2((a), (b))
 #define TQ_TO_FLOAT(x) static_cast<float>(x)
 #define TQ_TO_HALF(x) __float2half_rn(x)
+#define TQ_HALF __half
 typedef unsigned long long tq_u64;
 // 2^x as one MUFU.EX2 (flush-to-zero approx, ~2 ulp): exp2f adds a
 // denormal range fix-up (compare, two multiplies) around it, and softmax
@@ -83,4 +84,30 @@ __device__ __forceinline__ void tq_mma16816_top(float (&c)[4], unsigned int a0, 
       "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%10,%10};\n"
       : "+f"(c[0]), "+f"(c[1]), "=f"(d2), "=f"(d3)
       : "r"(a0), "r"(0u), "r"(a2), "r"(0u), "r"(b0), "r"(b1), "f"(0.0f));
+}
+
+// --- tq_decode_tc8.inc (CUDA only) ------------------------------------------
+// Transpose of an 8x8 fp16 matrix held in mma fragment layout (lane holds
+// row lane/4, columns 2*(lane%4), +1): afterwards the lane holds the same
+// positions of the transpose.  Turns S^T's accumulator into P^T's B operand.
+__device__ __forceinline__ unsigned int tq_movmatrix_trans(unsigned int x) {
+  unsigned int y;
+  asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(y) : "r"(x));
+  return y;
+}
+#define TQ_FENCE_DEVICE() __threadfence()
+// Counter increment; returns the old value (which threadgroup came last).
+__device__ __forceinline__ unsigned int tq_atomic_inc(unsigned int* p) { return atomicAdd(p, 1u); }
+// Load that bypasses L1: the partials were written by other SMs.
+__device__ __forceinline__ float tq_load_cg(const float* p) { return __ldcg(p); }
+// 32-bit shared-space address of a shared array, and a 32-bit load from one
+// (the kernel ORs lane offsets into table addresses aligned to their size,
+// so a lookup is shift + LOP3 + LDS with no base add).
+__device__ __forceinline__ unsigned int tq_smem_addr(const void* p) {
+  return static_cast<unsigned int>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ unsigned int tq_lds_at(unsigned int addr) {
+  unsigned int v;
+  asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(v) : "r"(addr));
+  return v;
 }

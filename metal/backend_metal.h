@@ -20,4 +20,5 @@ using namespace metal;
 #define TQ_FLOAT2(a, b) float2((a), (b))
 #define TQ_TO_FLOAT(x) static_cast<float>(x)
 #define TQ_TO_HALF(x) static_cast<half>(x)
+#define TQ_HALF half
 typedef ulong tq_u64;

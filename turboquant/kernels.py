@@ -47,6 +47,7 @@ MODES = ("auto", "gpu", "reference")
 _SIGNATURES = {
     "tq_decode": (["q", "kp", "kn", "vp", "vn", "kcb", "vcb", "meta"], ["po", "pm", "pl"]),
     "tq_decode_tc": (["q", "kp", "kn", "vp", "vn", "klut_g", "vlut_g", "meta"], ["po", "pm", "pl"]),
+    "tq_decode_tc8": (["q", "kp", "kn", "vp", "vn", "klut_g", "vlut_g", "meta"], ["ws"]),
     "tq_decode_reduce": (["po", "pm", "pl", "meta"], ["out", "lse"]),
     "tq_dequant": (["packed", "norms", "cb", "mean", "meta"], ["out"]),
     "tq_quantize": (["x", "signs", "bounds", "cents"], ["packed", "norms"]),
@@ -211,26 +212,37 @@ def _f32(x: mx.array) -> mx.array:
     return x if x.dtype == mx.float32 else x.astype(mx.float32)
 
 
-def decode_impl(d: int) -> str:
-    """Which decode kernel runs: ``"tc"`` (tensor cores, CUDA, head dim 64/128)
-    or ``"simt"`` (the shared-body kernel, every backend).  ``TQ_DECODE_IMPL``
-    = auto|tc|simt; auto picks tc wherever it applies."""
+def decode_impl(d: int, rows: int = 1) -> str:
+    """Which decode kernel runs for head dim ``d`` and ``rows`` query rows per
+    kv head: ``"tc8"`` (tensor cores, cache as the A operand, split reduction
+    fused; CUDA, d 64/128, rows <= 8: decode), ``"tc"`` (tensor cores, rows
+    in tiles of 16: prefill chunks) or ``"simt"`` (the shared-body kernel,
+    every backend).  ``TQ_DECODE_IMPL`` = auto|tc8|tc|simt; auto picks the
+    tensor-core kernels wherever they apply (tc8 only takes <= 8 rows: more
+    rows go to tc even when tc8 is asked for)."""
     want = os.environ.get("TQ_DECODE_IMPL", "auto").strip().lower() or "auto"
-    if want not in ("auto", "tc", "simt"):
-        raise ValueError(f"TQ_DECODE_IMPL={want!r}: choose auto, tc or simt")
+    if want not in ("auto", "tc8", "tc", "simt"):
+        raise ValueError(f"TQ_DECODE_IMPL={want!r}: choose auto, tc8, tc or simt")
     tc_ok = backend() == "cuda" and d in (64, 128)
-    if want == "tc" and not tc_ok:
-        raise ValueError(f"TQ_DECODE_IMPL=tc needs CUDA and head dim 64 or 128 (got d={d})")
-    if want == "simt":
+    if want in ("tc", "tc8") and not tc_ok:
+        raise ValueError(f"TQ_DECODE_IMPL={want} needs CUDA and head dim 64 or 128 (got d={d})")
+    if want == "simt" or not tc_ok:
         return "simt"
-    return "tc" if tc_ok else "simt"
+    if want == "tc" or rows > 8 or (want == "auto" and not TC8_BY_DEFAULT):
+        return "tc"
+    return "tc8"
 
 
-def uses_tc(d: int, capacity: int) -> bool:
-    """Whether ``decode`` runs the tensor-core kernel for this head dim and
-    cache capacity (it loads each pair of float16 norms as one 32-bit word,
-    so the capacity must be even; the cache's is a multiple of 256)."""
-    return decode_impl(d) == "tc" and capacity % 2 == 0
+# Whether auto picks tc8 for decode: set once the H200 run validated it
+# (correctness tests and the benchmark in docs/benchmarks.md).
+TC8_BY_DEFAULT = False
+
+
+def uses_tc(d: int, capacity: int, rows: int = 1) -> bool:
+    """Whether ``decode`` runs a tensor-core kernel for this head dim, cache
+    capacity and row count (they load float16 norms in pairs, so the capacity
+    must be even; the cache's is a multiple of 256)."""
+    return decode_impl(d, rows) != "simt" and capacity % 2 == 0
 
 
 TC_LONG_TOKENS = 1 << 18  # from here on a full wave of 3 threadgroups per SM (tc_config)
@@ -261,6 +273,43 @@ def tc_config(d: int, rows: int, b_hkv: int, n: int) -> dict:
     toks = -(-toks // step) * step
     minb = max(0, int(os.environ.get("TQ_TC_MINBLOCKS", 0)))  # 0: no register cap
     return {"GL": gl, "RT": rt, "NW": nw, "TOKS": toks, "S": -(-n // toks), "MINB": minb}
+
+
+TC8_SHORT_BLOCKS = 264   # below TC_LONG_TOKENS (tc8_config)
+TC8_LONG_BLOCKS = 528    # one full wave of 4 threadgroups per SM on 132 SMs
+
+
+def tc8_config(d: int, rows: int, b_hkv: int, n: int, value_bits: int = 4) -> dict:
+    """Launch shape of the tc8 decode kernel and its workspace layout.
+
+    128 registers x 128 threads and ~40 KB of shared memory let 4
+    threadgroups of 4 warps share an SM (``MINB``: the register cap that
+    keeps them resident; 3-bit values need ~168 registers and would spill
+    under it, so they run uncapped, 3 per SM); tokens are split so that about
+    ``TQ_TC8_BLOCKS`` threadgroups cover the GPU (defaults above, from the
+    H200 sweep in docs/benchmarks.md).  Every split writes a partial state
+    and the last one of its (batch, kv head) merges them, so the workspace
+    holds: counters, the final output and log-sum-exp, and the partials.
+    """
+    nw = int(os.environ.get("TQ_TC8_NW", 0)) or 4
+    step = 16 * nw
+    target = int(os.environ.get("TQ_TC8_BLOCKS", 0)) or (
+        TC8_LONG_BLOCKS if n >= TC_LONG_TOKENS else TC8_SHORT_BLOCKS)
+    splits = max(1, -(-target // max(1, b_hkv)))
+    toks = max(2 * step, -(-n // splits))  # >= 2 tiles per warp: the table copy amortizes
+    toks = -(-toks // step) * step
+    S = -(-n // toks)
+    off_out = -(-b_hkv // 4) * 4
+    off_lse = off_out + b_hkv * rows * d
+    off_po = -(-(off_lse + b_hkv * rows) // 4) * 4
+    off_pm = off_po + b_hkv * S * rows * d
+    off_pl = off_pm + b_hkv * S * rows
+    pf = int(os.environ.get("TQ_TC8_PF", 0)) or 1
+    minb = int(os.environ.get("TQ_TC8_MINBLOCKS", -1))
+    if minb < 0:
+        minb = 0 if value_bits == 3 or pf > 1 else max(1, 16 // nw)
+    return {"NW": nw, "PF": pf, "TOKS": toks, "S": S, "MINB": minb, "OFF_OUT": off_out, "OFF_LSE": off_lse,
+            "OFF_PO": off_po, "OFF_PM": off_pm, "OFF_PL": off_pl, "WS": off_pl + b_hkv * S * rows}
 
 
 _PAIR_TABLES: dict = {}
@@ -304,9 +353,11 @@ def decode(
     rotated-domain output [B, H_kv, R, Dv] float32 and the natural-log
     log-sum-exp [B, H_kv, R] float32 of the scores.
 
-    On CUDA (head dim 64/128) the tensor-core kernel runs (fp16 operands,
-    fp32 accumulation, like fp16 SDPA: ~1e-3 relative error); elsewhere the
-    SIMT kernel (fp32 throughout).  ``TQ_DECODE_IMPL`` overrides.
+    On CUDA (head dim 64/128) a tensor-core kernel runs (fp16 operands,
+    fp32 accumulation, like fp16 SDPA: ~1e-3 relative error): ``tc8`` for up
+    to 8 rows (one launch, the split reduction fused; out and lse are views
+    into its workspace), ``tc`` for more; elsewhere the SIMT kernel (fp32
+    throughout) and a reduction launch.  ``TQ_DECODE_IMPL`` overrides.
     """
     B, H, R, D = q_rot.shape
     Dv = D  # keys and values share the head dim in the kernel
@@ -316,7 +367,23 @@ def decode(
     q = _f32(q_rot)
     inputs = [q, keys_packed, keys_norms, values_packed, values_norms,
               _f32(key_centroids), _f32(value_centroids)]
-    if uses_tc(D, cap):
+    impl = decode_impl(D, R) if cap % 2 == 0 else "simt"
+    if impl == "tc8":
+        cfg = tc8_config(D, R, B * H, n, value_bits)
+        NW = cfg["NW"]
+        meta = _meta(n, cap, cfg["TOKS"], H, cfg["S"], R, cfg["OFF_OUT"], cfg["OFF_LSE"],
+                     cfg["OFF_PO"], cfg["OFF_PM"], cfg["OFF_PL"])
+        tables = [_pair_table(key_centroids, key_bits), _pair_table(value_centroids, value_bits)]
+        (ws,) = _launch(
+            "tq_decode_tc8", prelude=_launch_bounds(NW * 32, cfg["MINB"]), inputs=inputs[:5] + tables + [meta],
+            template=[("D", D), ("BK", key_bits), ("BV", value_bits), ("NW", NW), ("PF", cfg["PF"])],
+            grid=(cfg["S"] * NW * 32, H, B), threadgroup=(NW * 32, 1, 1),
+            output_shapes=[(cfg["WS"],)], output_dtypes=[mx.float32],
+            init_value=0.0,  # the split counters start at zero
+        )
+        o0, l0 = cfg["OFF_OUT"], cfg["OFF_LSE"]
+        return ws[o0:o0 + B * H * R * D].reshape(B, H, R, D), ws[l0:l0 + B * H * R].reshape(B, H, R)
+    if impl == "tc":
         cfg = tc_config(D, R, B * H, n)
         S, NW = cfg["S"], cfg["NW"]
         meta = _meta(n, cap, cfg["TOKS"], H, S, R, cfg["RT"])
@@ -664,7 +731,7 @@ def turboquant_attention(
     rows = (H_q // H_kv) * L
     # The tensor-core kernel tiles any number of query rows (prefill chunks
     # too) straight from the packed codes: no dequantized history at all.
-    tiled = packed_mask is None and uses_tc(D, cache.keys_norms.shape[2])
+    tiled = packed_mask is None and uses_tc(D, cache.keys_norms.shape[2], rows)
     if not tiled and (
         packed_mask is not None or rows > prefill_rows() or decode_config(D, rows, B * H_kv, 1) is None
     ):
