@@ -170,11 +170,12 @@ def bench_decode(lengths, results, bw):
             cs = [c0] + [tq_cache(n, kv_bits, seed=i + 1) for i in range(copies_for(c0.nbytes) - 1)]
             t = timeit([tq_decode_fn(c, q_rot) for c in cs])
             row[f"turboquant {kv_bits}-bit"] = (t, c0.nbytes)
-            if kv_bits == 3.5 and kernels.decode_impl(D) == "tc":  # the scalar-core kernel
-                os.environ["TQ_DECODE_IMPL"] = "simt"
-                t = timeit([tq_decode_fn(c, q_rot) for c in cs])
-                os.environ.pop("TQ_DECODE_IMPL")
-                row["tq 3.5 simt kernel"] = (t, c0.nbytes)
+            if kv_bits == 3.5 and kernels.decode_impl(D, HQ // HKV) != "simt":  # the other kernels
+                for impl, label in (("tc", "tq 3.5 tc16 kernel"), ("simt", "tq 3.5 simt kernel")):
+                    os.environ["TQ_DECODE_IMPL"] = impl
+                    t = timeit([tq_decode_fn(c, q_rot) for c in cs])
+                    os.environ.pop("TQ_DECODE_IMPL")
+                    row[label] = (t, c0.nbytes)
             if kv_bits == 3.5:  # whole attention: rotations, 128-token window, merge
                 wk = mx.random.normal((1, HKV, 128, D)).astype(mx.float16)
                 t = timeit([lambda c=c: kernels._decode_attention(q, wk, wk, c, SCALE, None)
@@ -190,28 +191,45 @@ def bench_decode(lengths, results, bw):
         mx.clear_cache()
 
 
-def bench_decode_variants(n, results, blocks_list=(264, 396, 792)):
-    """Launch-shape sweep of the tensor-core kernel (warps, threadgroups) at one length."""
+def bench_decode_variants(n, results, blocks_list=(264, 528, 1056)):
+    """Launch-shape sweep of the default (tc8) decode kernel: warps x threadgroups at one length."""
     q_rot = mx.random.normal((1, HKV, HQ // HKV, D)) * SCALE
     c0 = tq_cache(n, 3.5)
     cs = [c0] + [tq_cache(n, 3.5, seed=i + 1) for i in range(copies_for(c0.nbytes) - 1)]
-    print(f"\n== tensor-core decode kernel launch shapes at {n} tokens, 3.5-bit")
+    print(f"\n== tc8 decode kernel launch shapes at {n} tokens, 3.5-bit")
     best = None
-    for nw, minb in ((4, 0), (8, 2)):
+    for nw, pf in ((4, 1), (8, 1), (4, 2)):
         for blocks in blocks_list:
-            os.environ.update(TQ_TC_NW=str(nw), TQ_TC_BLOCKS=str(blocks), TQ_TC_MINBLOCKS=str(minb))
+            os.environ.update(TQ_TC8_NW=str(nw), TQ_TC8_PF=str(pf), TQ_TC8_BLOCKS=str(blocks))
             try:
                 t = timeit([tq_decode_fn(c, q_rot) for c in cs], repeats=5)
             except Exception as e:  # noqa: BLE001
-                print(f"  NW={nw} minblocks={minb} blocks={blocks}: failed {e}")
+                print(f"  NW={nw} PF={pf} blocks={blocks}: failed {e}")
                 continue
-            print(f"  NW={nw} minblocks={minb} blocks={blocks:>4}: {t * 1e3:.4f} ms")
-            results.setdefault("variants", {})[f"{n}/{nw}/{minb}/{blocks}"] = t
+            print(f"  NW={nw} PF={pf} blocks={blocks:>4}: {t * 1e3:.4f} ms")
+            results.setdefault("variants", {})[f"{n}/{nw}/{pf}/{blocks}"] = t
             if best is None or t < best[0]:
-                best = (t, nw, minb, blocks)
-    for key in ("TQ_TC_NW", "TQ_TC_BLOCKS", "TQ_TC_MINBLOCKS"):
+                best = (t, nw, pf, blocks)
+    for key in ("TQ_TC8_NW", "TQ_TC8_PF", "TQ_TC8_BLOCKS"):
         os.environ.pop(key, None)
     return best
+
+
+def bench_batch(n, results):
+    """Per-call time against the number of calls per evaluation: how much of
+    a short-context figure is MLX's per-evaluation overhead (same for every
+    method) rather than the attention itself."""
+    q = mx.random.normal((1, HQ, 1, D)).astype(mx.float16)
+    q_rot = (q.astype(mx.float32) * SCALE).reshape(1, HKV, HQ // HKV, D)
+    caches = [fp16_cache(n) for _ in range(copies_for(2 * HKV * n * D * 2))]
+    tqs = [tq_cache(n, 3.5, seed=i) for i in range(copies_for(caches[0][0].nbytes // 4))]
+    print(f"\n== calls per evaluation at {n} tokens (ms per call)")
+    for batch in (8, 32, 128):
+        tf = timeit([lambda c=c: mx.fast.scaled_dot_product_attention(q, c[0], c[1], scale=SCALE) for c in caches],
+                    batch=batch)
+        tt = timeit([tq_decode_fn(c, q_rot) for c in tqs], batch=batch)
+        print(f"  batch {batch:>4}: fp16 sdpa {tf * 1e3:.4f}  turboquant 3.5-bit {tt * 1e3:.4f}  ({tf / tt:.2f}x)")
+        results.setdefault("batch", {})[f"{n}/{batch}"] = {"fp16": tf, "tq35": tt}
 
 
 def bench_append(n, results):
@@ -335,7 +353,8 @@ def main() -> int:
     ap.add_argument("--lengths", default="8k,32k,128k,512k,1M")
     ap.add_argument("--sweep", default="512k",
                     help="comma-separated lengths for the launch-shape sweep ('none' = skip)")
-    ap.add_argument("--sweep-blocks", default="264,396,792", help="threadgroup counts the sweep tries")
+    ap.add_argument("--sweep-blocks", default="264,528,1056", help="threadgroup counts the sweep tries")
+    ap.add_argument("--batch-check", default="none", help="lengths for the calls-per-evaluation check ('none' = skip)")
     ap.add_argument("--prefill", default="128k", help="prefill length ('none' = skip)")
     ap.add_argument("--chunk", type=int, default=2048)
     ap.add_argument("--json", default="")
@@ -354,9 +373,12 @@ def main() -> int:
         for length in args.sweep.split(","):
             best = bench_decode_variants(parse_len(length), results, blocks_list)
             if best:
-                _, nw, minb, blocks = best
-                print(f"  best: NW={nw} minblocks={minb} blocks={blocks} (the tables below use the defaults)")
+                _, nw, pf, blocks = best
+                print(f"  best: NW={nw} PF={pf} blocks={blocks} (the tables below use the defaults)")
                 results.setdefault("best_variant", {})[length] = best
+    if args.batch_check not in ("", "none"):
+        for length in args.batch_check.split(","):
+            bench_batch(parse_len(length), results)
     bench_decode([parse_len(s) for s in args.lengths.split(",") if s], results, bw)
     bench_append(parse_len("32k"), results)
     if args.prefill not in ("", "none"):

@@ -5,6 +5,8 @@
 # benchmark runs even if a test fails.
 #   call 1 (carry .whl/a):  mkdir -p /root/stash && cp .whl/a/* /root/stash/
 #   call 2 (carry .whl/b):  bash benchmarks/gpu_session.sh [all|tests|bench|tb|profile]  (tb = tests + bench)
+# Environment: PYTEST_K (pytest -k filter), TEST_TIMEOUT / BENCH_TIMEOUT
+# (seconds, default 240 / 300), BENCH_ARGS (extra gpu_attention.py flags).
 set -x
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 what="${1:-all}"
@@ -20,16 +22,16 @@ export MLX_PTX_CACHE_DIR=/tmp/mlx-ptx
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv 2>&1 | tee "$OUT/gpu.txt"
 python3 -c 'import mlx.core as mx; print(mx.__version__, mx.default_device(), mx.cuda.is_available())' 2>&1 | tee -a "$OUT/gpu.txt"
 if [ "$what" = all ] || [ "$what" = tests ] || [ "$what" = tb ]; then
-  timeout 240 python3 -m pytest -q -p no:cacheprovider -n 8 -m gpu tests/test_kernels.py 2>&1 \
+  timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -q -p no:cacheprovider -n 8 -m gpu ${PYTEST_K:+-k "$PYTEST_K"} tests/test_kernels.py 2>&1 \
     | tee "$OUT/tests.log" | tail -60
 fi
 if [ "$what" = all ] || [ "$what" = bench ] || [ "$what" = tb ]; then
-  timeout 300 python3 benchmarks/gpu_attention.py --json "$OUT/bench.json" ${BENCH_ARGS:-} 2>&1 \
+  timeout "${BENCH_TIMEOUT:-300}" python3 benchmarks/gpu_attention.py --json "$OUT/bench.json" ${BENCH_ARGS:-} 2>&1 \
     | tee "$OUT/bench.log"
 fi
 if [ "$what" = all ] || [ "$what" = profile ]; then
   NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
-  timeout 120 $NCU --clock-control none -k regex:tq_decode_tc_[0-9a-f] --launch-count 1 \
+  timeout "${NCU_TIMEOUT:-120}" $NCU --clock-control none -k regex:tq_decode_tc8_[0-9a-f] --launch-count 1 \
     --section SchedulerStats --section WarpStateStats --section Occupancy --section SpeedOfLight \
     --section LaunchStats python3 benchmarks/profile_decode.py 2>&1 | tee "$OUT/ncu.txt" | tail -80
 fi

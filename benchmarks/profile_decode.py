@@ -1,6 +1,6 @@
 """One 3.5-bit decode-attention call at 512k tokens, for Nsight Compute:
 
-  ncu --clock-control none -k regex:tq_decode_tc_[0-9a-f] --launch-count 1 \\
+  ncu --clock-control none -k regex:tq_decode_tc8_[0-9a-f] --launch-count 1 \\
       --section SchedulerStats --section WarpStateStats --section Occupancy \\
       --section SpeedOfLight python3 benchmarks/profile_decode.py
 """
