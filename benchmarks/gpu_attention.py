@@ -368,18 +368,18 @@ def main() -> int:
     bw = copy_rate()
     results["copy_Bps"] = bw
     print(f"device copy rate (read + write): {bw / 1e12:.2f} TB/s")
+    bench_decode([parse_len(s) for s in args.lengths.split(",") if s], results, bw)
     if args.sweep not in ("", "none"):
         blocks_list = tuple(int(b) for b in args.sweep_blocks.split(","))
         for length in args.sweep.split(","):
             best = bench_decode_variants(parse_len(length), results, blocks_list)
             if best:
                 _, nw, pf, blocks = best
-                print(f"  best: NW={nw} PF={pf} blocks={blocks} (the tables below use the defaults)")
+                print(f"  best: NW={nw} PF={pf} blocks={blocks} (the table above uses the defaults)")
                 results.setdefault("best_variant", {})[length] = best
     if args.batch_check not in ("", "none"):
         for length in args.batch_check.split(","):
             bench_batch(parse_len(length), results)
-    bench_decode([parse_len(s) for s in args.lengths.split(",") if s], results, bw)
     bench_append(parse_len("32k"), results)
     if args.prefill not in ("", "none"):
         try:

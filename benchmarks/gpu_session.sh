@@ -33,6 +33,6 @@ if [ "$what" = all ] || [ "$what" = profile ]; then
   NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
   timeout "${NCU_TIMEOUT:-120}" $NCU --clock-control none -k regex:tq_decode_tc8_[0-9a-f] --launch-count 1 \
     --section SchedulerStats --section WarpStateStats --section Occupancy --section SpeedOfLight \
-    --section LaunchStats python3 benchmarks/profile_decode.py 2>&1 | tee "$OUT/ncu.txt" | tail -80
+    --section LaunchStats --section MemoryWorkloadAnalysis_Tables --section InstructionStats python3 benchmarks/profile_decode.py 2>&1 | tee "$OUT/ncu.txt" | tail -80
 fi
 echo "session done"
