@@ -198,19 +198,21 @@ def bench_decode_variants(n, results, blocks_list=(264, 528, 1056)):
     cs = [c0] + [tq_cache(n, 3.5, seed=i + 1) for i in range(copies_for(c0.nbytes) - 1)]
     print(f"\n== tc8 decode kernel launch shapes at {n} tokens, 3.5-bit")
     best = None
-    for nw, pf in ((4, 1), (8, 1), (4, 2)):
+    for nw, pf, vc in ((4, 1, 0), (4, 1, 1), (8, 1, 1), (4, 2, 1)):
         for blocks in blocks_list:
-            os.environ.update(TQ_TC8_NW=str(nw), TQ_TC8_PF=str(pf), TQ_TC8_BLOCKS=str(blocks))
+            os.environ.update(TQ_TC8_NW=str(nw), TQ_TC8_PF=str(pf), TQ_TC8_VC32=str(vc),
+                              TQ_TC8_BLOCKS=str(blocks))
+            tag = f"NW={nw} PF={pf} VC32={vc} blocks={blocks:>4}"
             try:
                 t = timeit([tq_decode_fn(c, q_rot) for c in cs], repeats=5)
             except Exception as e:  # noqa: BLE001
-                print(f"  NW={nw} PF={pf} blocks={blocks}: failed {e}")
+                print(f"  {tag}: failed {e}")
                 continue
-            print(f"  NW={nw} PF={pf} blocks={blocks:>4}: {t * 1e3:.4f} ms")
-            results.setdefault("variants", {})[f"{n}/{nw}/{pf}/{blocks}"] = t
+            print(f"  {tag}: {t * 1e3:.4f} ms")
+            results.setdefault("variants", {})[f"{n}/{nw}/{pf}/{vc}/{blocks}"] = t
             if best is None or t < best[0]:
-                best = (t, nw, pf, blocks)
-    for key in ("TQ_TC8_NW", "TQ_TC8_PF", "TQ_TC8_BLOCKS"):
+                best = (t, tag)
+    for key in ("TQ_TC8_NW", "TQ_TC8_PF", "TQ_TC8_VC32", "TQ_TC8_BLOCKS"):
         os.environ.pop(key, None)
     return best
 
@@ -374,8 +376,7 @@ def main() -> int:
         for length in args.sweep.split(","):
             best = bench_decode_variants(parse_len(length), results, blocks_list)
             if best:
-                _, nw, pf, blocks = best
-                print(f"  best: NW={nw} PF={pf} blocks={blocks} (the table above uses the defaults)")
+                print(f"  best: {best[1]} (the table above uses the defaults)")
                 results.setdefault("best_variant", {})[length] = best
     if args.batch_check not in ("", "none"):
         for length in args.batch_check.split(","):

@@ -391,8 +391,8 @@ def test_tensor_core_kernel_tiles_many_query_rows(monkeypatch, bits, rows):
 @pytest.mark.gpu
 @pytest.mark.parametrize("bits", [(3, 4), (2, 3), (4, 4)])
 @pytest.mark.parametrize("blocks", ["2", "64"])
-@pytest.mark.parametrize("pf", ["1", "2"])
-def test_tc8_long_splits_and_fused_reduction(monkeypatch, bits, blocks, pf):
+@pytest.mark.parametrize("pf,vc32", [("1", "0"), ("1", "1"), ("2", "1")])
+def test_tc8_long_splits_and_fused_reduction(monkeypatch, bits, blocks, pf, vc32):
     """tc8 with few threadgroups (each warp loops over ~80 ping-ponged tiles)
     and with many (the last threadgroup of a head merges 20+ partials)."""
     if kernels.backend() != "cuda":
@@ -400,6 +400,7 @@ def test_tc8_long_splits_and_fused_reduction(monkeypatch, bits, blocks, pf):
     monkeypatch.setenv("TQ_DECODE_IMPL", "tc8")
     monkeypatch.setenv("TQ_TC8_BLOCKS", blocks)
     monkeypatch.setenv("TQ_TC8_PF", pf)  # tiles prefetched: 2 or 3 register buffers
+    monkeypatch.setenv("TQ_TC8_VC32", vc32)  # 32-copy 4-bit value table (3-bit keys)
     bk, bv = bits
     d, B, H, n = 128, 2, 2, 20000
     rng = np.random.default_rng(n + bk)

@@ -305,23 +305,25 @@ def tc8_config(d: int, rows: int, b_hkv: int, n: int, value_bits: int = 4) -> di
     off_pm = off_po + b_hkv * S * rows * d
     off_pl = off_pm + b_hkv * S * rows
     pf = int(os.environ.get("TQ_TC8_PF", 0)) or 1
+    vc32 = int(os.environ.get("TQ_TC8_VC32", 0))  # key bits <= 3 only (decode checks)
     minb = int(os.environ.get("TQ_TC8_MINBLOCKS", -1))
     if minb < 0:
         minb = 0 if value_bits == 3 or pf > 1 else max(1, 16 // nw)
-    return {"NW": nw, "PF": pf, "TOKS": toks, "S": S, "MINB": minb, "OFF_OUT": off_out, "OFF_LSE": off_lse,
+    return {"NW": nw, "PF": pf, "VC32": vc32, "TOKS": toks, "S": S, "MINB": minb, "OFF_OUT": off_out, "OFF_LSE": off_lse,
             "OFF_PO": off_po, "OFF_PM": off_pm, "OFF_PL": off_pl, "WS": off_pl + b_hkv * S * rows}
 
 
 _PAIR_TABLES: dict = {}
 
 
-def _pair_table(centroids: mx.array, bits: int) -> mx.array:
+def _pair_table(centroids: mx.array, bits: int, copies: int = 0) -> mx.array:
     """The tensor-core kernel's codebook pair table, replicated for its
     shared memory: entry ``e = i0 | i1 << bits`` holds half2(c[i0], c[i1])
     (raw uint32 bits), stored ``copies`` times side by side (32, or 16 for
     256 entries) so each lane reads its own bank.  Built once per codebook
     array on the host; every threadgroup copies it with 16-byte loads."""
-    key = (id(centroids), bits)
+    copies = copies or (16 if bits >= 4 else 32)
+    key = (id(centroids), bits, copies)
     hit = _PAIR_TABLES.get(key)
     if hit is not None and hit[0] is centroids:
         return hit[1]
@@ -330,7 +332,6 @@ def _pair_table(centroids: mx.array, bits: int) -> mx.array:
     c = np.asarray(centroids.astype(mx.float32)).astype(np.float16).view(np.uint16).astype(np.uint32)
     e = np.arange(1 << (2 * bits))
     pairs = c[e & ((1 << bits) - 1)] | (c[e >> bits] << 16)
-    copies = 16 if len(e) >= 256 else 32
     table = mx.array(np.repeat(pairs, copies).astype(np.uint32))
     if len(_PAIR_TABLES) > 4096:  # ~24 KB each; one per codec in practice
         _PAIR_TABLES.clear()
@@ -373,10 +374,12 @@ def decode(
         NW = cfg["NW"]
         meta = _meta(n, cap, cfg["TOKS"], H, cfg["S"], R, cfg["OFF_OUT"], cfg["OFF_LSE"],
                      cfg["OFF_PO"], cfg["OFF_PM"], cfg["OFF_PL"])
-        tables = [_pair_table(key_centroids, key_bits), _pair_table(value_centroids, value_bits)]
+        vc32 = int(cfg["VC32"] and key_bits <= 3 and value_bits == 4)
+        tables = [_pair_table(key_centroids, key_bits),
+                  _pair_table(value_centroids, value_bits, 32 if vc32 else 0)]
         (ws,) = _launch(
             "tq_decode_tc8", prelude=_launch_bounds(NW * 32, cfg["MINB"]), inputs=inputs[:5] + tables + [meta],
-            template=[("D", D), ("BK", key_bits), ("BV", value_bits), ("NW", NW), ("PF", cfg["PF"])],
+            template=[("D", D), ("BK", key_bits), ("BV", value_bits), ("NW", NW), ("PF", cfg["PF"]), ("VC32", vc32)],
             grid=(cfg["S"] * NW * 32, H, B), threadgroup=(NW * 32, 1, 1),
             output_shapes=[(cfg["WS"],)], output_dtypes=[mx.float32],
             init_value=0.0,  # the split counters start at zero
