@@ -126,8 +126,7 @@ def test_tc8_config_covers_all_tokens_and_lays_out_the_workspace(n, b_hkv, rows,
     assert cfg["TOKS"] % (16 * cfg["NW"]) == 0
     assert (cfg["S"] - 1) * cfg["TOKS"] < n <= cfg["S"] * cfg["TOKS"]
     if n >= 32768 and b_hkv == 8:  # about the measured threadgroup count
-        target = kernels.TC8_LONG_BLOCKS if n >= kernels.TC_LONG_TOKENS else kernels.TC8_SHORT_BLOCKS
-        assert abs(8 * cfg["S"] - target) <= 8
+        assert abs(8 * cfg["S"] - kernels.TC8_BLOCKS) <= 8
     # counters | out | lse | po | pm | pl, disjoint and in order, 16-byte aligned starts
     S, d = cfg["S"], 128
     spans = [(0, b_hkv), (cfg["OFF_OUT"], b_hkv * rows * d), (cfg["OFF_LSE"], b_hkv * rows),
@@ -137,6 +136,26 @@ def test_tc8_config_covers_all_tokens_and_lays_out_the_workspace(n, b_hkv, rows,
         assert a + na <= b
     assert spans[-1][0] + spans[-1][1] == cfg["WS"]
     assert cfg["OFF_OUT"] % 4 == 0 and cfg["OFF_PO"] % 4 == 0
+
+
+def test_tc8_value_table_copies_follow_the_widths(monkeypatch):
+    for key in ("TQ_TC8_VC32", "TQ_TC8_PF", "TQ_TC8_MINBLOCKS", "TQ_TC8_NW"):
+        monkeypatch.delenv(key, raising=False)
+    assert kernels.tc8_config(128, 4, 8, 4096, 3, 4)["VC32"] == 1  # 3.5 bits: 8 + 32 KB tables
+    assert kernels.tc8_config(128, 4, 8, 4096, 4, 4)["VC32"] == 0  # 16 + 32 KB would not fit 48 KB
+    assert kernels.tc8_config(128, 4, 8, 4096, 2, 3)["VC32"] == 0  # 64-entry tables have 32 copies
+    assert kernels.tc8_config(128, 4, 8, 4096, 2, 3)["MINB"] == 0  # 3-bit values: ~168 registers
+    assert kernels.tc8_config(128, 4, 8, 4096, 3, 4)["MINB"] == 4  # 128 registers, 4 per SM
+    monkeypatch.setenv("TQ_TC8_VC32", "0")
+    assert kernels.tc8_config(128, 4, 8, 4096, 3, 4)["VC32"] == 0
+
+
+def test_kernel_source_handed_to_mlx_has_no_comments():
+    header, body = kernels.kernel_source("tq_decode_tc8", "cuda")
+    stripped = kernels._strip_comments(body)
+    assert "//" not in stripped and len(stripped) < 0.7 * len(body)
+    assert "tq_mma16816(o[mb], a[0], a[1], a[2], a[3], pb0, pb1);" in stripped.splitlines()
+    assert '#include "x.h"' in kernels._strip_comments('#include "x.h"\n// note\n')
 
 
 def test_decode_impl_choice(monkeypatch):

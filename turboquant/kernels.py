@@ -121,9 +121,21 @@ def kernel_source(name: str, be: str) -> tuple[str, str]:
 
 
 @lru_cache(maxsize=None)
+def _strip_comments(src: str) -> str:
+    """Drop // comments, indentation and blank lines: MLX re-assembles the whole source
+    string on every launch (mx.fast.*_kernel builds it per call), so the
+    kernels' commentary would cost host time each decode step."""
+    out = []
+    for line in src.splitlines():
+        code = (line.split("//", 1)[0] if "//" in line and '"' not in line else line).strip()
+        if code:
+            out.append(code)
+    return "\n".join(out) + "\n"
+
+
 def _kernel(name: str, be: str, prelude: str = ""):
     header, body = kernel_source(name, be)
-    header = header + prelude
+    header, body = _strip_comments(header + prelude), _strip_comments(body)
     inputs, outputs = _SIGNATURES[name]
     # MLX caches compiled CUDA modules on disk by kernel name (+ template
     # args): put a hash of the source in the name so an edited source is
@@ -233,9 +245,9 @@ def decode_impl(d: int, rows: int = 1) -> str:
     return "tc8"
 
 
-# Whether auto picks tc8 for decode: set once the H200 run validated it
-# (correctness tests and the benchmark in docs/benchmarks.md).
-TC8_BY_DEFAULT = False
+# Whether auto picks tc8 for decode (validated on the H200: GPU tests and the
+# benchmark in docs/benchmarks.md); False falls back to the 16-row-tile kernel.
+TC8_BY_DEFAULT = True
 
 
 def uses_tc(d: int, capacity: int, rows: int = 1) -> bool:
@@ -275,26 +287,37 @@ def tc_config(d: int, rows: int, b_hkv: int, n: int) -> dict:
     return {"GL": gl, "RT": rt, "NW": nw, "TOKS": toks, "S": -(-n // toks), "MINB": minb}
 
 
-TC8_SHORT_BLOCKS = 264   # below TC_LONG_TOKENS (tc8_config)
-TC8_LONG_BLOCKS = 528    # one full wave of 4 threadgroups per SM on 132 SMs
+TC8_BLOCKS = 264  # threadgroups (2 per SM on 132 SMs): best of 264/528/1056 at 32k and 512k
 
 
-def tc8_config(d: int, rows: int, b_hkv: int, n: int, value_bits: int = 4) -> dict:
+def _tc8_env() -> tuple:
+    """The tc8 launch overrides, read once per call (the config is cached on them)."""
+    g = os.environ.get
+    return (g("TQ_TC8_NW", ""), g("TQ_TC8_BLOCKS", ""), g("TQ_TC8_PF", ""),
+            g("TQ_TC8_VC32", ""), g("TQ_TC8_MINBLOCKS", ""))
+
+
+def tc8_config(d: int, rows: int, b_hkv: int, n: int, key_bits: int = 3, value_bits: int = 4) -> dict:
     """Launch shape of the tc8 decode kernel and its workspace layout.
 
-    128 registers x 128 threads and ~40 KB of shared memory let 4
-    threadgroups of 4 warps share an SM (``MINB``: the register cap that
-    keeps them resident; 3-bit values need ~168 registers and would spill
-    under it, so they run uncapped, 3 per SM); tokens are split so that about
-    ``TQ_TC8_BLOCKS`` threadgroups cover the GPU (defaults above, from the
-    H200 sweep in docs/benchmarks.md).  Every split writes a partial state
-    and the last one of its (batch, kv head) merges them, so the workspace
-    holds: counters, the final output and log-sum-exp, and the partials.
+    Defaults from the H200 sweep (docs/benchmarks.md): 4 warps, one tile
+    prefetched (``PF``), ~264 threadgroups, and for 3-bit-or-narrower keys
+    with 4-bit values the 32-copy value table (``VC32``: no bank conflicts,
+    49 KB of shared memory).  128 registers (``MINB`` = 4 resident
+    threadgroups caps them) except for 3-bit values, which need ~168 and run
+    uncapped.  Every split writes a partial state and the last one of its
+    (batch, kv head) merges them, so the workspace holds: counters, the final
+    output and log-sum-exp, and the partials.  ``TQ_TC8_*`` override.
     """
-    nw = int(os.environ.get("TQ_TC8_NW", 0)) or 4
+    return _tc8_config(d, rows, b_hkv, n, key_bits, value_bits, _tc8_env())
+
+
+@lru_cache(maxsize=4096)
+def _tc8_config(d, rows, b_hkv, n, key_bits, value_bits, env) -> dict:
+    e_nw, e_blocks, e_pf, e_vc32, e_minb = env
+    nw = int(e_nw or 0) or 4
     step = 16 * nw
-    target = int(os.environ.get("TQ_TC8_BLOCKS", 0)) or (
-        TC8_LONG_BLOCKS if n >= TC_LONG_TOKENS else TC8_SHORT_BLOCKS)
+    target = int(e_blocks or 0) or TC8_BLOCKS
     splits = max(1, -(-target // max(1, b_hkv)))
     toks = max(2 * step, -(-n // splits))  # >= 2 tiles per warp: the table copy amortizes
     toks = -(-toks // step) * step
@@ -304,13 +327,16 @@ def tc8_config(d: int, rows: int, b_hkv: int, n: int, value_bits: int = 4) -> di
     off_po = -(-(off_lse + b_hkv * rows) // 4) * 4
     off_pm = off_po + b_hkv * S * rows * d
     off_pl = off_pm + b_hkv * S * rows
-    pf = int(os.environ.get("TQ_TC8_PF", 0)) or 1
-    vc32 = int(os.environ.get("TQ_TC8_VC32", 0))  # key bits <= 3 only (decode checks)
-    minb = int(os.environ.get("TQ_TC8_MINBLOCKS", -1))
+    pf = int(e_pf or 0) or 1
+    vc32 = int(e_vc32) if e_vc32 else 1
+    vc32 = int(bool(vc32) and key_bits <= 3 and value_bits == 4)  # 48 KB of tables at most
+    minb = int(e_minb) if e_minb else -1
     if minb < 0:
         minb = 0 if value_bits == 3 or pf > 1 else max(1, 16 // nw)
-    return {"NW": nw, "PF": pf, "VC32": vc32, "TOKS": toks, "S": S, "MINB": minb, "OFF_OUT": off_out, "OFF_LSE": off_lse,
-            "OFF_PO": off_po, "OFF_PM": off_pm, "OFF_PL": off_pl, "WS": off_pl + b_hkv * S * rows}
+    return {"NW": nw, "PF": pf, "VC32": vc32, "TOKS": toks, "S": S, "MINB": minb,
+            "OFF_OUT": off_out, "OFF_LSE": off_lse, "OFF_PO": off_po, "OFF_PM": off_pm,
+            "OFF_PL": off_pl, "WS": off_pl + b_hkv * S * rows,
+            "META": (n, 0, toks, 0, S, rows, off_out, off_lse, off_po, off_pm, off_pl)}
 
 
 _PAIR_TABLES: dict = {}
@@ -370,16 +396,16 @@ def decode(
               _f32(key_centroids), _f32(value_centroids)]
     impl = decode_impl(D, R) if cap % 2 == 0 else "simt"
     if impl == "tc8":
-        cfg = tc8_config(D, R, B * H, n, value_bits)
+        cfg = tc8_config(D, R, B * H, n, key_bits, value_bits)
         NW = cfg["NW"]
-        meta = _meta(n, cap, cfg["TOKS"], H, cfg["S"], R, cfg["OFF_OUT"], cfg["OFF_LSE"],
-                     cfg["OFF_PO"], cfg["OFF_PM"], cfg["OFF_PL"])
-        vc32 = int(cfg["VC32"] and key_bits <= 3 and value_bits == 4)
+        m = cfg["META"]
+        meta = _meta(m[0], cap, m[2], H, *m[4:])
         tables = [_pair_table(key_centroids, key_bits),
-                  _pair_table(value_centroids, value_bits, 32 if vc32 else 0)]
+                  _pair_table(value_centroids, value_bits, 32 if cfg["VC32"] else 0)]
         (ws,) = _launch(
             "tq_decode_tc8", prelude=_launch_bounds(NW * 32, cfg["MINB"]), inputs=inputs[:5] + tables + [meta],
-            template=[("D", D), ("BK", key_bits), ("BV", value_bits), ("NW", NW), ("PF", cfg["PF"]), ("VC32", vc32)],
+            template=[("D", D), ("BK", key_bits), ("BV", value_bits), ("NW", NW), ("PF", cfg["PF"]),
+                      ("VC32", cfg["VC32"])],
             grid=(cfg["S"] * NW * 32, H, B), threadgroup=(NW * 32, 1, 1),
             output_shapes=[(cfg["WS"],)], output_dtypes=[mx.float32],
             init_value=0.0,  # the split counters start at zero
