@@ -198,7 +198,7 @@ def bench_decode_variants(n, results, blocks_list=(264, 528, 1056)):
     cs = [c0] + [tq_cache(n, 3.5, seed=i + 1) for i in range(copies_for(c0.nbytes) - 1)]
     print(f"\n== tc8 decode kernel launch shapes at {n} tokens, 3.5-bit")
     best = None
-    for nw, pf, vc in ((4, 1, 0), (4, 1, 1), (8, 1, 1), (4, 2, 1)):
+    for nw, pf, vc in ((4, 1, 1), (4, 1, 0), (8, 1, 1), (4, 2, 1)):
         for blocks in blocks_list:
             os.environ.update(TQ_TC8_NW=str(nw), TQ_TC8_PF=str(pf), TQ_TC8_VC32=str(vc),
                               TQ_TC8_BLOCKS=str(blocks))
