@@ -121,21 +121,9 @@ def kernel_source(name: str, be: str) -> tuple[str, str]:
 
 
 @lru_cache(maxsize=None)
-def _strip_comments(src: str) -> str:
-    """Drop // comments, indentation and blank lines: MLX re-assembles the whole source
-    string on every launch (mx.fast.*_kernel builds it per call), so the
-    kernels' commentary would cost host time each decode step."""
-    out = []
-    for line in src.splitlines():
-        code = (line.split("//", 1)[0] if "//" in line and '"' not in line else line).strip()
-        if code:
-            out.append(code)
-    return "\n".join(out) + "\n"
-
-
 def _kernel(name: str, be: str, prelude: str = ""):
     header, body = kernel_source(name, be)
-    header, body = _strip_comments(header + prelude), _strip_comments(body)
+    header = header + prelude
     inputs, outputs = _SIGNATURES[name]
     # MLX caches compiled CUDA modules on disk by kernel name (+ template
     # args): put a hash of the source in the name so an edited source is
