@@ -132,6 +132,12 @@ def tq_cache(n: int, kv_bits: float, seed: int = 0):
     )
 
 
+def tq_cache_bytes(n: int, kv_bits: float) -> int:
+    """Bytes of a packed cache of n tokens (codes + float16 norms, K and V)."""
+    kb, vb = resolve_bits(kv_bits)
+    return HKV * n * 4 * (packed_words(D, kb) + packed_words(D, vb) + 1)
+
+
 def tq_decode_fn(c, q_rot):
     kc, vc = c.key_codec, c.value_codec
     return lambda: kernels.decode(
@@ -151,16 +157,23 @@ def bench_decode(lengths, results, bw):
     print(hdr)
     for n in lengths:
         row = {}
+        # One batch size for every method at this length (the largest copy
+        # count, i.e. the smallest cache's): the per-evaluation overhead is
+        # then spread over the same number of calls for everyone.  (Before
+        # this, each method's batch was its own copy count, which at 8k-32k
+        # gave the small TurboQuant caches 2-4x larger batches than fp16.)
+        batch = max(8, copies_for(tq_cache_bytes(n, 2.5)))
         k, v = fp16_cache(n)
         nb = k.nbytes + v.nbytes
         cs = [(k, v)] + [fp16_cache(n) for _ in range(copies_for(nb) - 1)]
-        t = timeit([lambda c=c: mx.fast.scaled_dot_product_attention(q, c[0], c[1], scale=SCALE) for c in cs])
+        t = timeit([lambda c=c: mx.fast.scaled_dot_product_attention(q, c[0], c[1], scale=SCALE) for c in cs],
+                   batch=batch)
         row["fp16 sdpa"] = (t, nb)
         aq = [affine_cache(*c) for c in cs]
         anb = sum(a.nbytes for a in aq[0][0]) + sum(a.nbytes for a in aq[0][1])
         del cs
         try:
-            t = timeit([lambda a=a: affine_attention(q, *a) for a in aq])
+            t = timeit([lambda a=a: affine_attention(q, *a) for a in aq], batch=batch)
             row["affine 4-bit (mlx)"] = (t, anb)
         except Exception as e:  # noqa: BLE001
             print(f"  affine failed at {n}: {e}")
@@ -168,18 +181,18 @@ def bench_decode(lengths, results, bw):
         for kv_bits in (2.5, 3.5, 4):
             c0 = tq_cache(n, kv_bits)
             cs = [c0] + [tq_cache(n, kv_bits, seed=i + 1) for i in range(copies_for(c0.nbytes) - 1)]
-            t = timeit([tq_decode_fn(c, q_rot) for c in cs])
+            t = timeit([tq_decode_fn(c, q_rot) for c in cs], batch=batch)
             row[f"turboquant {kv_bits}-bit"] = (t, c0.nbytes)
             if kv_bits == 3.5 and kernels.decode_impl(D, HQ // HKV) != "simt":  # the other kernels
                 for impl, label in (("tc", "tq 3.5 tc16 kernel"), ("simt", "tq 3.5 simt kernel")):
                     os.environ["TQ_DECODE_IMPL"] = impl
-                    t = timeit([tq_decode_fn(c, q_rot) for c in cs])
+                    t = timeit([tq_decode_fn(c, q_rot) for c in cs], batch=batch)
                     os.environ.pop("TQ_DECODE_IMPL")
                     row[label] = (t, c0.nbytes)
             if kv_bits == 3.5:  # whole attention: rotations, 128-token window, merge
                 wk = mx.random.normal((1, HKV, 128, D)).astype(mx.float16)
                 t = timeit([lambda c=c: kernels._decode_attention(q, wk, wk, c, SCALE, None)
-                            for c in cs])
+                            for c in cs], batch=batch)
                 row["tq 3.5 + window, full"] = (t, c0.nbytes + 2 * wk.nbytes)
             del cs, c0
         base = row["fp16 sdpa"][0]
