@@ -11,7 +11,9 @@ Kernels:
 
 * ``decode``: split-K (flash-decoding) attention of a few query rows over the
   packed history, all query heads of a kv head in one threadgroup (GQA without
-  repeating K/V), plus a small reduction kernel.  Returns the normalised
+  repeating K/V), plus a small reduction kernel (fused into the CUDA decode
+  kernel ``tq_decode_tc8``; tensor-core kernels on CUDA, the shared SIMT body
+  elsewhere).  Returns the normalised
   rotated-domain output and its log-sum-exp, which merge with the exact
   window exactly like the reference path's online-softmax state.
 * ``dequant``: packed history -> rotated-domain keys/values in the model dtype,
@@ -727,8 +729,8 @@ def turboquant_attention(
 ) -> mx.array:
     """Drop-in for ``turboquant.attention.turboquant_attention`` using the kernels.
 
-    On CUDA the tensor-core kernel serves decode and prefill chunks alike
-    (query rows in tiles of 16, read straight from the packed codes).
+    On CUDA the tensor-core kernels serve decode (tc8) and prefill chunks
+    (tc: query rows in tiles of 16), read straight from the packed codes.
     Elsewhere few query rows per kv head (decode) run the split-K SIMT
     kernel; many rows (prefill chunks) or a mask that reaches into the packed
     history run dequantize + SDPA while its temporary fits ``prefill_dequant_limit()``,
