@@ -158,6 +158,9 @@ def test_decode_impl_choice(monkeypatch):
     assert kernels.decode_impl(64, 8) == auto
     assert kernels.decode_impl(128, 9) == "tc"  # prefill chunks: 16-row tiles
     assert kernels.decode_impl(256, 4) == "simt"
+    assert kernels.decode_kernel(128, 4096, 4) == auto
+    assert kernels.decode_kernel(128, 4095, 4) == "simt"  # norms are loaded in pairs
+    assert not kernels.uses_tc(128, 4095, 4) and kernels.uses_tc(128, 4096, 64)
     monkeypatch.setenv("TQ_DECODE_IMPL", "tc")
     assert kernels.decode_impl(128, 4) == "tc"
     monkeypatch.setenv("TQ_DECODE_IMPL", "tc8")

@@ -240,11 +240,17 @@ def decode_impl(d: int, rows: int = 1) -> str:
 TC8_BY_DEFAULT = True
 
 
+def decode_kernel(d: int, capacity: int, rows: int = 1) -> str:
+    """The kernel ``decode`` runs for this head dim, cache capacity and row
+    count: ``decode_impl``'s choice, except that the tensor-core kernels load
+    float16 norms in pairs and so need an even capacity (the cache's is a
+    multiple of 256)."""
+    return decode_impl(d, rows) if capacity % 2 == 0 else "simt"
+
+
 def uses_tc(d: int, capacity: int, rows: int = 1) -> bool:
-    """Whether ``decode`` runs a tensor-core kernel for this head dim, cache
-    capacity and row count (they load float16 norms in pairs, so the capacity
-    must be even; the cache's is a multiple of 256)."""
-    return decode_impl(d, rows) != "simt" and capacity % 2 == 0
+    """Whether ``decode`` runs a tensor-core kernel (tc8 or tc) here."""
+    return decode_kernel(d, capacity, rows) != "simt"
 
 
 TC_LONG_TOKENS = 1 << 18  # from here on a full wave of 3 threadgroups per SM (tc_config)
@@ -325,8 +331,7 @@ def _tc8_config(d, rows, b_hkv, n, key_bits, value_bits, env) -> dict:
         minb = 0 if value_bits == 3 or pf > 1 else max(1, 16 // nw)
     return {"NW": nw, "PF": pf, "VC32": vc32, "TOKS": toks, "S": S, "MINB": minb,
             "OFF_OUT": off_out, "OFF_LSE": off_lse, "OFF_PO": off_po, "OFF_PM": off_pm,
-            "OFF_PL": off_pl, "WS": off_pl + b_hkv * S * rows,
-            "META": (n, 0, toks, 0, S, rows, off_out, off_lse, off_po, off_pm, off_pl)}
+            "OFF_PL": off_pl, "WS": off_pl + b_hkv * S * rows}
 
 
 _PAIR_TABLES: dict = {}
@@ -384,12 +389,12 @@ def decode(
     q = _f32(q_rot)
     inputs = [q, keys_packed, keys_norms, values_packed, values_norms,
               _f32(key_centroids), _f32(value_centroids)]
-    impl = decode_impl(D, R) if cap % 2 == 0 else "simt"
+    impl = decode_kernel(D, cap, R)
     if impl == "tc8":
         cfg = tc8_config(D, R, B * H, n, key_bits, value_bits)
         NW = cfg["NW"]
-        m = cfg["META"]
-        meta = _meta(m[0], cap, m[2], H, *m[4:])
+        meta = _meta(n, cap, cfg["TOKS"], H, cfg["S"], R, cfg["OFF_OUT"], cfg["OFF_LSE"],
+                     cfg["OFF_PO"], cfg["OFF_PM"], cfg["OFF_PL"])
         tables = [_pair_table(key_centroids, key_bits),
                   _pair_table(value_centroids, value_bits, 32 if cfg["VC32"] else 0)]
         (ws,) = _launch(
