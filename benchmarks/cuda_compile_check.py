@@ -121,6 +121,12 @@ def compile_cuda(src: str, name: str, arch: str = "sm_90", cubin: str = "") -> t
 _SIMT_INS = ["float32", "uint32", "float16", "uint32", "float16", "float32", "float32", "int32"]
 _TC_INS = ["float32", "uint32", "float16", "uint32", "float16", "uint32", "uint32", "int32"]
 
+
+def _fused_ins(dtype: str) -> list[str]:
+    """tq_decode_tc8_fused inputs: queries and the window in the model dtype."""
+    return [dtype] + _TC_INS[1:] + [dtype, dtype, "float32", "float32", "float32", "float32"]
+
+
 CASES = [
     ("tq_decode", _SIMT_INS,
      ["float32"] * 3,
@@ -141,12 +147,18 @@ CASES = [
      ["float32"] * 3, [("D", 128), ("BK", 4), ("BV", 4), ("GL", 4), ("NW", 8)]),
     ("tq_decode_tc", _TC_INS,
      ["float32"] * 3, [("D", 128), ("BK", 3), ("BV", 4), ("GL", 16), ("NW", 4)]),
-    ("tq_decode_tc8", _TC_INS, ["float32"], [("D", 128), ("BK", 3), ("BV", 4), ("NW", 4), ("PF", 1), ("VC32", 0)]),
-    ("tq_decode_tc8", _TC_INS, ["float32"], [("D", 128), ("BK", 3), ("BV", 4), ("NW", 4), ("PF", 1), ("VC32", 1)]),
-    ("tq_decode_tc8", _TC_INS, ["float32"], [("D", 128), ("BK", 2), ("BV", 3), ("NW", 4), ("PF", 2), ("VC32", 0)]),
-    ("tq_decode_tc8", _TC_INS, ["float32"], [("D", 64), ("BK", 3), ("BV", 3), ("NW", 4), ("PF", 1), ("VC32", 0)]),
-    ("tq_decode_tc8", _TC_INS, ["float32"], [("D", 128), ("BK", 4), ("BV", 4), ("NW", 8), ("PF", 1), ("VC32", 0)]),
-    ("tq_decode_tc8", _TC_INS, ["float32"], [("D", 64), ("BK", 2), ("BV", 2), ("NW", 4), ("PF", 2), ("VC32", 0)]),
+    ("tq_decode_tc8", _TC_INS, ["float32"], [("D", 128), ("BK", 3), ("BV", 4), ("NW", 4), ("PF", 1), ("VC32", 0), ("L2PF", 0)]),
+    ("tq_decode_tc8", _TC_INS, ["float32"], [("D", 128), ("BK", 3), ("BV", 4), ("NW", 4), ("PF", 1), ("VC32", 1), ("L2PF", 1)]),
+    ("tq_decode_tc8", _TC_INS, ["float32"], [("D", 128), ("BK", 2), ("BV", 3), ("NW", 4), ("PF", 2), ("VC32", 0), ("L2PF", 0)]),
+    ("tq_decode_tc8", _TC_INS, ["float32"], [("D", 64), ("BK", 3), ("BV", 3), ("NW", 4), ("PF", 1), ("VC32", 0), ("L2PF", 0)]),
+    ("tq_decode_tc8", _TC_INS, ["float32"], [("D", 128), ("BK", 4), ("BV", 4), ("NW", 8), ("PF", 1), ("VC32", 0), ("L2PF", 0)]),
+    ("tq_decode_tc8", _TC_INS, ["float32"], [("D", 64), ("BK", 2), ("BV", 2), ("NW", 4), ("PF", 2), ("VC32", 0), ("L2PF", 0)]),
+    ("tq_decode_tc8_fused", _fused_ins("float16"), ["float32", "float16"],
+     [("D", 128), ("BK", 3), ("BV", 4), ("NW", 4), ("PF", 1), ("VC32", 1), ("L2PF", 1)]),
+    ("tq_decode_tc8_fused", _fused_ins("bfloat16"), ["float32", "bfloat16"],
+     [("D", 64), ("BK", 2), ("BV", 3), ("NW", 4), ("PF", 1), ("VC32", 0), ("L2PF", 0)]),
+    ("tq_decode_tc8_fused", _fused_ins("float32"), ["float32", "float32"],
+     [("D", 128), ("BK", 4), ("BV", 4), ("NW", 4), ("PF", 1), ("VC32", 0), ("L2PF", 0)]),
     ("tq_decode_reduce", ["float32", "float32", "float32", "int32"], ["float32"] * 2,
      [("D", 128), ("GL", 4)]),
     ("tq_dequant", ["uint32", "float16", "float32", "float32", "int32"], ["float16"],

@@ -191,9 +191,14 @@ def bench_decode(lengths, results, bw):
                     row[label] = (t, c0.nbytes)
             if kv_bits == 3.5:  # whole attention: rotations, 128-token window, merge
                 wk = mx.random.normal((1, HKV, 128, D)).astype(mx.float16)
-                t = timeit([lambda c=c: kernels._decode_attention(q, wk, wk, c, SCALE, None)
-                            for c in cs], batch=batch)
-                row["tq 3.5 + window, full"] = (t, c0.nbytes + 2 * wk.nbytes)
+                full = [lambda c=c: kernels._decode_attention(q, wk, wk, c, SCALE, None) for c in cs]
+                os.environ["TQ_DECODE_FUSED"] = "1"
+                t = timeit(full, batch=batch)  # one launch (tq_decode_tc8_fused) where it applies
+                row["tq 3.5 whole step"] = (t, c0.nbytes + 2 * wk.nbytes)
+                os.environ["TQ_DECODE_FUSED"] = "0"
+                t = timeit(full, batch=batch)  # the kernel + ~20 MLX ops around it
+                os.environ.pop("TQ_DECODE_FUSED")
+                row["tq 3.5 step, op-by-op"] = (t, c0.nbytes + 2 * wk.nbytes)
             del cs, c0
         base = row["fp16 sdpa"][0]
         for name, (t, nbytes) in row.items():
@@ -211,21 +216,21 @@ def bench_decode_variants(n, results, blocks_list=(264, 528, 1056)):
     cs = [c0] + [tq_cache(n, 3.5, seed=i + 1) for i in range(copies_for(c0.nbytes) - 1)]
     print(f"\n== tc8 decode kernel launch shapes at {n} tokens, 3.5-bit")
     best = None
-    for nw, pf, vc in ((4, 1, 1), (4, 1, 0), (8, 1, 1), (4, 2, 1)):
+    for nw, pf, vc, l2 in ((4, 1, 1, 0), (4, 1, 1, 1), (4, 1, 0, 1), (8, 1, 1, 1), (4, 2, 1, 1)):
         for blocks in blocks_list:
             os.environ.update(TQ_TC8_NW=str(nw), TQ_TC8_PF=str(pf), TQ_TC8_VC32=str(vc),
-                              TQ_TC8_BLOCKS=str(blocks))
-            tag = f"NW={nw} PF={pf} VC32={vc} blocks={blocks:>4}"
+                              TQ_TC8_BLOCKS=str(blocks), TQ_TC8_L2PF=str(l2))
+            tag = f"NW={nw} PF={pf} VC32={vc} L2PF={l2} blocks={blocks:>4}"
             try:
                 t = timeit([tq_decode_fn(c, q_rot) for c in cs], repeats=5)
             except Exception as e:  # noqa: BLE001
                 print(f"  {tag}: failed {e}")
                 continue
             print(f"  {tag}: {t * 1e3:.4f} ms")
-            results.setdefault("variants", {})[f"{n}/{nw}/{pf}/{vc}/{blocks}"] = t
+            results.setdefault("variants", {})[f"{n}/{nw}/{pf}/{vc}/{l2}/{blocks}"] = t
             if best is None or t < best[0]:
                 best = (t, tag)
-    for key in ("TQ_TC8_NW", "TQ_TC8_PF", "TQ_TC8_VC32", "TQ_TC8_BLOCKS"):
+    for key in ("TQ_TC8_NW", "TQ_TC8_PF", "TQ_TC8_VC32", "TQ_TC8_BLOCKS", "TQ_TC8_L2PF"):
         os.environ.pop(key, None)
     return best
 
@@ -238,13 +243,35 @@ def bench_batch(n, results):
     q_rot = (q.astype(mx.float32) * SCALE).reshape(1, HKV, HQ // HKV, D)
     caches = [fp16_cache(n) for _ in range(copies_for(2 * HKV * n * D * 2))]
     tqs = [tq_cache(n, 3.5, seed=i) for i in range(copies_for(caches[0][0].nbytes // 4))]
-    print(f"\n== calls per evaluation at {n} tokens (ms per call)")
+    wk = mx.random.normal((1, HKV, 128, D)).astype(mx.float16)
+    fns = {
+        "fp16 sdpa": [lambda c=c: mx.fast.scaled_dot_product_attention(q, c[0], c[1], scale=SCALE)
+                      for c in caches],
+        "tq 3.5 kernel": [tq_decode_fn(c, q_rot) for c in tqs],
+        "tq 3.5 whole step": [lambda c=c: kernels._decode_attention(q, wk, wk, c, SCALE, None) for c in tqs],
+    }
+    os.environ["TQ_DECODE_FUSED"] = "1"  # the one-launch step
+    print(f"\n== calls per evaluation at {n} tokens (ms per call; x = fp16 time / this)")
     for batch in (8, 32, 128):
-        tf = timeit([lambda c=c: mx.fast.scaled_dot_product_attention(q, c[0], c[1], scale=SCALE) for c in caches],
-                    batch=batch)
-        tt = timeit([tq_decode_fn(c, q_rot) for c in tqs], batch=batch)
-        print(f"  batch {batch:>4}: fp16 sdpa {tf * 1e3:.4f}  turboquant 3.5-bit {tt * 1e3:.4f}  ({tf / tt:.2f}x)")
-        results.setdefault("batch", {})[f"{n}/{batch}"] = {"fp16": tf, "tq35": tt}
+        ts = {name: timeit(f, batch=batch) for name, f in fns.items()}
+        tf = ts["fp16 sdpa"]
+        print(f"  batch {batch:>4}: " + "  ".join(
+            f"{name} {t * 1e3:.4f}" + ("" if name == "fp16 sdpa" else f" ({tf / t:.2f}x)") for name, t in ts.items()))
+        results.setdefault("batch", {})[f"{n}/{batch}"] = ts
+    # Host time to build one call's graph (Python + MLX op construction, no
+    # evaluation): timeit's batches build every call before evaluating, so
+    # this is part of each figure above.
+    host = {}
+    for name, f in fns.items():
+        for _ in range(20):
+            f[0]()
+        t0 = time.perf_counter()
+        for i in range(200):
+            f[i % len(f)]()
+        host[name] = (time.perf_counter() - t0) / 200
+    print("  host graph build per call: " + "  ".join(f"{k} {v * 1e6:.1f} us" for k, v in host.items()))
+    results.setdefault("host_build", {})[n] = host
+    os.environ.pop("TQ_DECODE_FUSED")
 
 
 def bench_append(n, results):
@@ -286,7 +313,9 @@ def decode_loop(n, results, steps=256):
     ks = [mx.random.normal((1, HKV, 1, D)).astype(mx.float16) for _ in range(steps)]
     q = mx.random.normal((1, HQ, 1, D)).astype(mx.float16)
     out = {}
-    for name, fb in (("flush every token", 1), ("flush batch 64 (default)", None)):
+    for name, fb, fused in (("flush every token", 1, "1"), ("flush batch 64 (default)", None, "1"),
+                            ("flush 64, op-by-op step", None, "0")):
+        os.environ["TQ_DECODE_FUSED"] = fused  # one launch per step, or the kernel + ~20 ops
         c = TurboQuantKVCache(3.5, window=128, flush_batch=fb, seed=0)
         c.reserve(n + steps + 1)
         for a in range(0, n, 8192):
@@ -305,6 +334,7 @@ def decode_loop(n, results, steps=256):
             times.append((time.perf_counter() - t0) / steps)
             c.restore(ck)
         out[name] = min(times)
+    os.environ.pop("TQ_DECODE_FUSED")
     base = out["flush batch 64 (default)"]
     print(f"\n== decode steps on a TurboQuantKVCache at {n} tokens (3.5-bit, window 128): "
           f"append + attention, eval per step, {steps} steps")

@@ -111,3 +111,61 @@ __device__ __forceinline__ unsigned int tq_lds_at(unsigned int addr) {
   asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(v) : "r"(addr));
   return v;
 }
+
+// Cache-code loads of the decode loop.  L2PF: with the L2::256B hint, so
+// a miss fetches the whole 256-byte block from DRAM (a warp's 16-token tile
+// is 0.75-1 KB of contiguous codes, all of it read within the tile).
+template <bool L2PF>
+__device__ __forceinline__ unsigned int tq_ldg(const unsigned int* p) {
+  if constexpr (L2PF) {
+    unsigned int v;
+    asm("ld.global.L2::256B.u32 %0, [%1];" : "=r"(v) : "l"(p));
+    return v;
+  } else {
+    return *p;
+  }
+}
+// Two consecutive words from an 8-byte-aligned address: one 64-bit load
+// (the compiler cannot prove the alignment of MLX's uint32 pointers).
+template <bool L2PF>
+__device__ __forceinline__ void tq_load_u2(const unsigned int* p, unsigned int& a, unsigned int& b) {
+  if constexpr (L2PF) {
+    asm("ld.global.L2::256B.v2.u32 {%0, %1}, [%2];" : "=r"(a), "=r"(b) : "l"(p));
+  } else {
+    const uint2 u = *reinterpret_cast<const uint2*>(p);
+    a = u.x;
+    b = u.y;
+  }
+}
+
+// --- fused decode step (tq_decode_tc8.inc with TQ_FUSED) ---------------------
+__device__ __forceinline__ float tq_as_float(int bits) { return __int_as_float(bits); }
+// 8 consecutive elements of a 16-byte-aligned model-dtype row, as floats.
+__device__ __forceinline__ void tq_load8(const float* p, float (&x)[8]) {
+  const float4 a = reinterpret_cast<const float4*>(p)[0], b = reinterpret_cast<const float4*>(p)[1];
+  x[0] = a.x; x[1] = a.y; x[2] = a.z; x[3] = a.w; x[4] = b.x; x[5] = b.y; x[6] = b.z; x[7] = b.w;
+}
+__device__ __forceinline__ void tq_load8(const __half* p, float (&x)[8]) {
+  const uint4 u = *reinterpret_cast<const uint4*>(p);
+  const unsigned int w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&w[i]));
+    x[2 * i] = f.x;
+    x[2 * i + 1] = f.y;
+  }
+}
+__device__ __forceinline__ void tq_load8(const __nv_bfloat16* p, float (&x)[8]) {
+  const uint4 u = *reinterpret_cast<const uint4*>(p);
+  const unsigned int w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w[i]));
+    x[2 * i] = f.x;
+    x[2 * i + 1] = f.y;
+  }
+}
+// Store a float in the output's dtype.
+__device__ __forceinline__ void tq_store(float* p, float x) { *p = x; }
+__device__ __forceinline__ void tq_store(__half* p, float x) { *p = __float2half_rn(x); }
+__device__ __forceinline__ void tq_store(__nv_bfloat16* p, float x) { *p = __float2bfloat16_rn(x); }

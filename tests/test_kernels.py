@@ -42,6 +42,18 @@ def test_mode_parsing(monkeypatch):
         kernels.mode()
 
 
+def test_getenv_sees_every_change(monkeypatch):
+    """The hot-path reader sees os.environ changes at once, like os.environ.get."""
+    monkeypatch.delenv("TQ_TEST_SETTING", raising=False)
+    assert kernels.getenv("TQ_TEST_SETTING") is None and kernels.getenv("TQ_TEST_SETTING", "d") == "d"
+    monkeypatch.setenv("TQ_TEST_SETTING", "tc8")
+    assert kernels.getenv("TQ_TEST_SETTING", "d") == "tc8"
+    os.environ["TQ_TEST_SETTING"] = "simt ü"
+    assert kernels.getenv("TQ_TEST_SETTING") == os.environ.get("TQ_TEST_SETTING") == "simt ü"
+    del os.environ["TQ_TEST_SETTING"]
+    assert kernels.getenv("TQ_TEST_SETTING", 0) == 0
+
+
 @pytest.mark.skipif(GPU, reason="checks the no-GPU dispatch")
 def test_dispatch_without_gpu(monkeypatch):
     monkeypatch.setenv("TQ_KERNELS", "auto")
@@ -136,6 +148,71 @@ def test_tc8_config_covers_all_tokens_and_lays_out_the_workspace(n, b_hkv, rows,
         assert a + na <= b
     assert spans[-1][0] + spans[-1][1] == cfg["WS"]
     assert cfg["OFF_OUT"] % 4 == 0 and cfg["OFF_PO"] % 4 == 0
+
+
+def test_fused_step_is_the_tc8_body_with_the_switch_on():
+    header, body = kernels.kernel_source("tq_decode_tc8_fused", "cuda")
+    _, plain = kernels.kernel_source("tq_decode_tc8", "cuda")
+    assert body == plain  # one body: the fused step is a compile-time switch of tq_decode_tc8
+    assert "#define TQ_FUSED 1" in header
+    assert "#define TQ_FUSED" not in kernels.kernel_source("tq_decode_tc8", "cuda")[0]
+    assert body.count("#if TQ_FUSED") >= 4  # rotate q, window slot, merge, epilogue
+
+
+@pytest.mark.parametrize("n", [1, 1000, 262144])
+@pytest.mark.parametrize("b_hkv,rows", [(8, 4), (3, 1)])
+def test_tc8_fused_workspace_has_a_window_slot(n, b_hkv, rows, monkeypatch):
+    monkeypatch.delenv("TQ_TC8_BLOCKS", raising=False)
+    plain = kernels.tc8_config(128, rows, b_hkv, n)
+    cfg = kernels.tc8_config(128, rows, b_hkv, n, window=True)
+    assert cfg["S"] == plain["S"] and cfg["TOKS"] == plain["TOKS"]  # same packed splits
+    assert cfg["SLOTS"] == cfg["S"] + 1 and plain["SLOTS"] == plain["S"]
+    d, slots = 128, cfg["SLOTS"]
+    # counters | po | pm | pl (the output is its own array): disjoint, in order
+    spans = [(0, b_hkv), (cfg["OFF_PO"], b_hkv * slots * rows * d),
+             (cfg["OFF_PM"], b_hkv * slots * rows), (cfg["OFF_PL"], b_hkv * slots * rows)]
+    for (a, na), (b, _) in zip(spans, spans[1:]):
+        assert a + na <= b
+    assert spans[-1][0] + spans[-1][1] == cfg["WS"] and cfg["OFF_PO"] % 4 == 0
+
+
+def test_walsh_hadamard_rotations_are_recognised():
+    assert HadamardRotation(128, 3).is_walsh_hadamard and HadamardRotation(64, 0).is_walsh_hadamard
+    assert not HadamardRotation(96, 0).is_walsh_hadamard  # 12-based: not butterflies
+    assert not HadamardRotation(80, 0).is_walsh_hadamard
+    assert not HadamardRotation(48, 0).is_walsh_hadamard  # random orthogonal
+
+
+def test_fused_step_dispatch(monkeypatch):
+    """_decode_attention hands plain decode steps to the one-launch kernel and
+    keeps the op-by-op path for what it does not cover."""
+    monkeypatch.setattr(kernels, "decode_kernel", lambda d, cap, rows=1: "tc8" if d in (64, 128) and rows <= 8 else "simt")
+    monkeypatch.setenv("TQ_DECODE_FUSED", "1")
+    monkeypatch.setattr(kernels, "quantize_any", _codec_quantize)
+    cache = _filled_cache(3.5, 128, 2, 300)
+    k = mx.random.normal((1, 2, 1, 128))
+    wk, wv = cache.update_and_fetch(k, k)
+    q = mx.random.normal((1, 8, 1, 128))
+    assert kernels.fused_step_supported(q, wk, wv, cache, None)
+    calls = []
+    monkeypatch.setattr(kernels, "decode_step", lambda *a: calls.append(a) or "fused")
+    assert kernels._decode_attention(q, wk, wv, cache, 0.1, None) == "fused" and len(calls) == 1
+    # not covered: a window mask, the switch off, an empty window, a window too
+    # large for the kernel's shared memory, rotations that are not butterflies
+    assert not kernels.fused_step_supported(q, wk, wv, cache, mx.ones((1, 2, 4, 1, wk.shape[2]), mx.bool_))
+    monkeypatch.setenv("TQ_DECODE_FUSED", "0")
+    assert not kernels.fused_step_supported(q, wk, wv, cache, None)
+    monkeypatch.delenv("TQ_DECODE_FUSED")
+    assert kernels.fused_step_supported(q, wk, wv, cache, None) == kernels.FUSED_STEP_BY_DEFAULT
+    monkeypatch.setenv("TQ_DECODE_FUSED", "1")
+    assert not kernels.fused_step_supported(q, wk[:, :, :0], wv[:, :, :0], cache, None)
+    big = mx.zeros((1, 2, 4000, 128))
+    assert not kernels.fused_step_supported(q, big, big, cache, None)
+    q9 = mx.random.normal((1, 18, 1, 128))  # 9 rows per kv head: the 16-row kernel
+    assert not kernels.fused_step_supported(q9, wk, wv, cache, None)
+    monkeypatch.setattr(cache, "rotation", HadamardRotation(128, 0))
+    monkeypatch.setattr(cache.rotation, "_symmetric", False)
+    assert not kernels.fused_step_supported(q, wk, wv, cache, None)
 
 
 def test_tc8_value_table_copies_follow_the_widths(monkeypatch):
@@ -406,7 +483,8 @@ def test_tensor_core_kernel_tiles_many_query_rows(monkeypatch, bits, rows):
 @pytest.mark.parametrize("bits", [(3, 4), (2, 3), (4, 4)])
 @pytest.mark.parametrize("blocks", ["2", "64"])
 @pytest.mark.parametrize("pf,vc32", [("1", "0"), ("1", "1"), ("2", "1")])
-def test_tc8_long_splits_and_fused_reduction(monkeypatch, bits, blocks, pf, vc32):
+@pytest.mark.parametrize("l2pf", ["0", "1"])
+def test_tc8_long_splits_and_fused_reduction(monkeypatch, bits, blocks, pf, vc32, l2pf):
     """tc8 with few threadgroups (each warp loops over ~80 ping-ponged tiles)
     and with many (the last threadgroup of a head merges 20+ partials)."""
     if kernels.backend() != "cuda":
@@ -415,6 +493,7 @@ def test_tc8_long_splits_and_fused_reduction(monkeypatch, bits, blocks, pf, vc32
     monkeypatch.setenv("TQ_TC8_BLOCKS", blocks)
     monkeypatch.setenv("TQ_TC8_PF", pf)  # tiles prefetched: 2 or 3 register buffers
     monkeypatch.setenv("TQ_TC8_VC32", vc32)  # 32-copy 4-bit value table (3-bit keys)
+    monkeypatch.setenv("TQ_TC8_L2PF", l2pf)  # code loads with the L2::256B hint
     bk, bv = bits
     d, B, H, n = 128, 2, 2, 20000
     rng = np.random.default_rng(n + bk)
@@ -428,6 +507,71 @@ def test_tc8_long_splits_and_fused_reduction(monkeypatch, bits, blocks, pf, vc32
     ro, rl = _reference_decode(q, ik, np.asarray(kn), iv, np.asarray(vn), ck, cv, n)
     assert _rel(out, ro) < 4e-3
     assert np.abs(np.asarray(lse) - rl).max() < 4e-2 * max(1.0, np.abs(rl).max())
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_bits", [2, 2.5, 3, 3.5, 4])
+@pytest.mark.parametrize("d,h_kv,g,L", [(128, 2, 4, 1), (64, 2, 1, 1), (128, 1, 8, 1), (128, 2, 2, 2)])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+def test_fused_decode_step_matches_the_op_by_op_path(monkeypatch, kv_bits, d, h_kv, g, L, dtype):
+    """One launch (rotations, packed history, window, merge, means) gives
+    what the kernel + ~20 ops gave, and what the reference path gives."""
+    if kernels.backend() != "cuda":
+        pytest.skip("tensor-core kernel: CUDA only")
+    from turboquant.attention import turboquant_attention as reference
+
+    dt = getattr(mx, dtype)
+    cache = _filled_cache(kv_bits, d, h_kv, 700)
+    k = mx.random.normal((1, h_kv, L, d)) + 0.5
+    wk, wv = cache.update_and_fetch(k.astype(dt), (k * 0.5).astype(dt))
+    q = (mx.random.normal((1, h_kv * g, L, d)) * 2.0).astype(dt)
+    scale = d**-0.5
+    monkeypatch.setenv("TQ_KERNELS", "gpu")
+    monkeypatch.setenv("TQ_DECODE_FUSED", "1")
+    assert kernels.fused_step_supported(q, wk, wv, cache, None)
+    fused = kernels.decode_step(q, wk, wv, cache, scale)
+    assert fused.dtype == dt and fused.shape == q.shape
+    monkeypatch.setenv("TQ_DECODE_FUSED", "0")
+    ops = kernels._decode_attention(q, wk, wv, cache, scale, None)
+    monkeypatch.setenv("TQ_KERNELS", "reference")
+    ref = reference(q, wk, wv, cache, scale, None)
+    tol = {"float16": 6e-3, "bfloat16": 1.2e-2, "float32": 6e-3}[dtype]
+    assert _rel(fused, ops) < tol and _rel(fused, ref) < tol
+    # without centring (means None) and with a long window (~300 tokens)
+    cache.key_mean = cache.value_mean = None
+    monkeypatch.setenv("TQ_KERNELS", "gpu")
+    monkeypatch.setenv("TQ_DECODE_FUSED", "1")
+    wk2 = (mx.random.normal((1, h_kv, 300, d)) * 3.0).astype(dt)  # window scores dominate
+    if kernels.fused_step_supported(q, wk2, wk2, cache, None):
+        fused = kernels.decode_step(q, wk2, wk2 * 0.5, cache, scale)
+        monkeypatch.setenv("TQ_KERNELS", "reference")
+        ref = reference(q, wk2, wk2 * 0.5, cache, scale, None)
+        assert _rel(fused, ref) < tol
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("blocks", ["2", "64", "264"])
+def test_fused_decode_step_long_history(monkeypatch, blocks):
+    """20,000 packed tokens: one packed split (+ the window's), 8 and ~33."""
+    if kernels.backend() != "cuda":
+        pytest.skip("tensor-core kernel: CUDA only")
+    from turboquant.attention import turboquant_attention as reference
+
+    monkeypatch.setenv("TQ_TC8_BLOCKS", blocks)
+    monkeypatch.setenv("TQ_DECODE_FUSED", "1")
+    d, h_kv, g = 128, 2, 4
+    cache = _filled_cache(3.5, d, h_kv, 20000, window=128)
+    k = mx.random.normal((1, h_kv, 1, d)).astype(mx.float16)
+    wk, wv = cache.update_and_fetch(k, k)
+    q = mx.random.normal((1, h_kv * g, 1, d)).astype(mx.float16)
+    monkeypatch.setenv("TQ_KERNELS", "gpu")
+    assert kernels.fused_step_supported(q, wk, wv, cache, None)
+    out = kernels.turboquant_attention(q, wk, wv, cache, d**-0.5, None)  # the public entry
+    monkeypatch.setenv("TQ_KERNELS", "reference")
+    ref = reference(q, wk, wv, cache, d**-0.5, None)
+    assert _rel(out, ref) < 6e-3
 
 
 @gpu

@@ -33,6 +33,7 @@ from __future__ import annotations
 import hashlib
 import math
 import os
+import struct
 import weakref
 from functools import lru_cache
 from pathlib import Path
@@ -50,19 +51,47 @@ _SIGNATURES = {
     "tq_decode": (["q", "kp", "kn", "vp", "vn", "kcb", "vcb", "meta"], ["po", "pm", "pl"]),
     "tq_decode_tc": (["q", "kp", "kn", "vp", "vn", "klut_g", "vlut_g", "meta"], ["po", "pm", "pl"]),
     "tq_decode_tc8": (["q", "kp", "kn", "vp", "vn", "klut_g", "vlut_g", "meta"], ["ws"]),
+    "tq_decode_tc8_fused": (["q", "kp", "kn", "vp", "vn", "klut_g", "vlut_g", "meta",
+                             "wk", "wv", "signs", "vsigns", "km", "vm"], ["ws", "out"]),
     "tq_decode_reduce": (["po", "pm", "pl", "meta"], ["out", "lse"]),
     "tq_dequant": (["packed", "norms", "cb", "mean", "meta"], ["out"]),
     "tq_quantize": (["x", "signs", "bounds", "cents"], ["packed", "norms"]),
+}
+
+# kernels compiled from another kernel's body with switches defined:
+# name -> (body, header lines)
+_VARIANTS = {
+    "tq_decode_tc8_fused": ("tq_decode_tc8", "\n#define TQ_FUSED 1\n"),
 }
 
 
 # --------------------------------------------------------------------------
 # dispatch
 
+_ENV_DATA = getattr(os.environ, "_data", None) if os.name == "posix" else None
+
+
+@lru_cache(maxsize=None)
+def _env_key(name: str) -> bytes:
+    return name.encode()
+
+
+def getenv(name: str, default=None):
+    """``os.environ.get`` for the settings read on every decode step (~14 of
+    them): ``os.environ.get`` re-encodes key and value each call, ~1 us apiece
+    on a slow host, i.e. half the Python cost of a fused decode step.  Reads
+    the same mapping (``os.environ._data`` on POSIX), so ``os.environ`` and
+    ``monkeypatch.setenv`` changes show at once."""
+    if _ENV_DATA is None:
+        return os.environ.get(name, default)
+    v = _ENV_DATA.get(_env_key(name))
+    return default if v is None else v.decode()
+
+
 
 def mode() -> str:
     """The ``TQ_KERNELS`` setting (auto|gpu|reference)."""
-    m = os.environ.get("TQ_KERNELS", "auto").strip().lower() or "auto"
+    m = getenv("TQ_KERNELS", "auto").strip().lower() or "auto"
     if m not in MODES:
         raise ValueError(f"TQ_KERNELS={m!r}: choose one of {', '.join(MODES)}")
     return m
@@ -117,8 +146,9 @@ def kernel_source(name: str, be: str) -> tuple[str, str]:
     """
     if be not in ("metal", "cuda"):
         raise ValueError(f"kernel_source: backend must be 'metal' or 'cuda', got {be!r}")
-    header = _read(f"backend_{be}.h") + "\n" + _read("tq_common.h")
-    body = _read(f"backend_{be}.inc") + "\n" + _read(f"{name}.inc")
+    body_name, defines = _VARIANTS.get(name, (name, ""))
+    header = _read(f"backend_{be}.h") + "\n" + _read("tq_common.h") + defines
+    body = _read(f"backend_{be}.inc") + "\n" + _read(f"{body_name}.inc")
     return header, body
 
 
@@ -174,18 +204,18 @@ def decode_config(d: int, rows: int, b_hkv: int, n: int) -> Optional[dict]:
     (``TQ_DECODE_BLOCKS``, default 264 = 2 x 132 H200 SMs; measured best of
     264/528/1056 at 512k tokens, with DPT=16, U=4, NW=8 -- docs/benchmarks.md, GPU section).
     """
-    dpt = int(os.environ.get("TQ_DECODE_DPT", 0)) or (16 if rows <= 4 else 8 if rows <= 8 else 4)
+    dpt = int(getenv("TQ_DECODE_DPT", 0)) or (16 if rows <= 4 else 8 if rows <= 8 else 4)
     dpt = max(dpt, d // 32)
-    u = int(os.environ.get("TQ_DECODE_U", 0)) or 4
-    pair = int(os.environ.get("TQ_DECODE_PAIR", 0))
+    u = int(getenv("TQ_DECODE_U", 0)) or 4
+    pair = int(getenv("TQ_DECODE_PAIR", 0))
     if d % dpt or (d // dpt) & (d // dpt - 1) or rows * dpt > 128 or d > 256:
         return None
     gpw = 32 // (d // dpt)
-    nw = int(os.environ.get("TQ_DECODE_NW", 0)) or 8
+    nw = int(getenv("TQ_DECODE_NW", 0)) or 8
     while nw > 1 and nw * rows * d * 4 > 40960:  # threadgroup memory budget
         nw //= 2
     step = u * nw * gpw  # tokens one threadgroup covers per loop step
-    target = int(os.environ.get("TQ_DECODE_BLOCKS", 264))
+    target = int(getenv("TQ_DECODE_BLOCKS", 264))
     splits = max(1, -(-target // max(1, b_hkv)))
     toks = max(step, -(-n // splits))
     toks = -(-toks // step) * step
@@ -222,7 +252,7 @@ def decode_impl(d: int, rows: int = 1) -> str:
     every backend).  ``TQ_DECODE_IMPL`` = auto|tc8|tc|simt; auto picks the
     tensor-core kernels wherever they apply (tc8 only takes <= 8 rows: more
     rows go to tc even when tc8 is asked for)."""
-    want = os.environ.get("TQ_DECODE_IMPL", "auto").strip().lower() or "auto"
+    want = getenv("TQ_DECODE_IMPL", "auto").strip().lower() or "auto"
     if want not in ("auto", "tc8", "tc", "simt"):
         raise ValueError(f"TQ_DECODE_IMPL={want!r}: choose auto, tc8, tc or simt")
     tc_ok = backend() == "cuda" and d in (64, 128)
@@ -234,6 +264,10 @@ def decode_impl(d: int, rows: int = 1) -> str:
         return "tc"
     return "tc8"
 
+
+# Whether the tc8 kernel loads codes with the L2::256B prefetch hint
+# (``TQ_TC8_L2PF`` overrides; measured in the launch-shape sweep).
+TC8_L2PF = 0
 
 # Whether auto picks tc8 for decode (validated on the H200: GPU tests and the
 # benchmark in docs/benchmarks.md); False falls back to the 16-row-tile kernel.
@@ -271,15 +305,15 @@ def tc_config(d: int, rows: int, b_hkv: int, n: int) -> dict:
     """
     gl = min(rows, 16)
     rt = -(-rows // 16)
-    nw = int(os.environ.get("TQ_TC_NW", 0)) or 4
+    nw = int(getenv("TQ_TC_NW", 0)) or 4
     if gl > 8:
         nw = min(nw, 4)  # shared-memory budget of the 16-row reduction
     step = 16 * nw
-    target = int(os.environ.get("TQ_TC_BLOCKS", 0)) or (396 if n >= TC_LONG_TOKENS else 198)
+    target = int(getenv("TQ_TC_BLOCKS", 0)) or (396 if n >= TC_LONG_TOKENS else 198)
     splits = max(1, -(-target // max(1, b_hkv * rt)))
     toks = max(4 * step, -(-n // splits))  # >= 4 tiles per warp: the table copy amortizes
     toks = -(-toks // step) * step
-    minb = max(0, int(os.environ.get("TQ_TC_MINBLOCKS", 0)))  # 0: no register cap
+    minb = max(0, int(getenv("TQ_TC_MINBLOCKS", 0)))  # 0: no register cap
     return {"GL": gl, "RT": rt, "NW": nw, "TOKS": toks, "S": -(-n // toks), "MINB": minb}
 
 
@@ -288,12 +322,13 @@ TC8_BLOCKS = 264  # threadgroups (2 per SM on 132 SMs): best of 264/528/1056 at 
 
 def _tc8_env() -> tuple:
     """The tc8 launch overrides, read once per call (the config is cached on them)."""
-    g = os.environ.get
+    g = getenv
     return (g("TQ_TC8_NW", ""), g("TQ_TC8_BLOCKS", ""), g("TQ_TC8_PF", ""),
-            g("TQ_TC8_VC32", ""), g("TQ_TC8_MINBLOCKS", ""))
+            g("TQ_TC8_VC32", ""), g("TQ_TC8_MINBLOCKS", ""), g("TQ_TC8_L2PF", ""))
 
 
-def tc8_config(d: int, rows: int, b_hkv: int, n: int, key_bits: int = 3, value_bits: int = 4) -> dict:
+def tc8_config(d: int, rows: int, b_hkv: int, n: int, key_bits: int = 3, value_bits: int = 4,
+               window: bool = False) -> dict:
     """Launch shape of the tc8 decode kernel and its workspace layout.
 
     Defaults from the H200 sweep (docs/benchmarks.md): 4 warps, one tile
@@ -303,14 +338,19 @@ def tc8_config(d: int, rows: int, b_hkv: int, n: int, key_bits: int = 3, value_b
     threadgroups caps them) except for 3-bit values, which need ~168 and run
     uncapped.  Every split writes a partial state and the last one of its
     (batch, kv head) merges them, so the workspace holds: counters, the final
-    output and log-sum-exp, and the partials.  ``TQ_TC8_*`` override.
+    output and log-sum-exp, and the partials.  ``window``: the fused decode
+    step (``tq_decode_tc8_fused``), whose extra threadgroup per (batch, kv
+    head) attends over the window and writes partial slot ``S``
+    (``SLOTS = S + 1``); it writes its output to its own array, so there is
+    no output region.  ``TQ_TC8_*`` override.
     """
-    return _tc8_config(d, rows, b_hkv, n, key_bits, value_bits, _tc8_env())
+    return _tc8_config(d, rows, b_hkv, n, key_bits, value_bits, bool(window), _tc8_env())
 
 
 @lru_cache(maxsize=4096)
-def _tc8_config(d, rows, b_hkv, n, key_bits, value_bits, env) -> dict:
-    e_nw, e_blocks, e_pf, e_vc32, e_minb = env
+def _tc8_config(d, rows, b_hkv, n, key_bits, value_bits, window, env) -> dict:
+    e_nw, e_blocks, e_pf, e_vc32, e_minb, e_l2pf = env
+    l2pf = int(e_l2pf) if e_l2pf else TC8_L2PF
     nw = int(e_nw or 0) or 4
     step = 16 * nw
     target = int(e_blocks or 0) or TC8_BLOCKS
@@ -318,20 +358,26 @@ def _tc8_config(d, rows, b_hkv, n, key_bits, value_bits, env) -> dict:
     toks = max(2 * step, -(-n // splits))  # >= 2 tiles per warp: the table copy amortizes
     toks = -(-toks // step) * step
     S = -(-n // toks)
+    slots = S + int(window)
     off_out = -(-b_hkv // 4) * 4
-    off_lse = off_out + b_hkv * rows * d
-    off_po = -(-(off_lse + b_hkv * rows) // 4) * 4
-    off_pm = off_po + b_hkv * S * rows * d
-    off_pl = off_pm + b_hkv * S * rows
+    off_lse = off_out + (0 if window else b_hkv * rows * d)
+    off_po = -(-(off_lse + (0 if window else b_hkv * rows)) // 4) * 4
+    off_pm = off_po + b_hkv * slots * rows * d
+    off_pl = off_pm + b_hkv * slots * rows
     pf = int(e_pf or 0) or 1
     vc32 = int(e_vc32) if e_vc32 else 1
     vc32 = int(bool(vc32) and key_bits <= 3 and value_bits == 4)  # 48 KB of tables at most
     minb = int(e_minb) if e_minb else -1
     if minb < 0:
         minb = 0 if value_bits == 3 or pf > 1 else max(1, 16 // nw)
-    return {"NW": nw, "PF": pf, "VC32": vc32, "TOKS": toks, "S": S, "MINB": minb,
+    return {"NW": nw, "PF": pf, "VC32": vc32, "TOKS": toks, "S": S, "SLOTS": slots, "MINB": minb,
             "OFF_OUT": off_out, "OFF_LSE": off_lse, "OFF_PO": off_po, "OFF_PM": off_pm,
-            "OFF_PL": off_pl, "WS": off_pl + b_hkv * S * rows}
+            "OFF_PL": off_pl, "WS": off_pl + b_hkv * slots * rows,
+            # the launch arguments that follow from the above (built once, not per step)
+            "L2PF": int(bool(l2pf)),
+            "TEMPLATE": [("D", d), ("BK", key_bits), ("BV", value_bits), ("NW", nw), ("PF", pf),
+                         ("VC32", vc32), ("L2PF", int(bool(l2pf)))],
+            "PRELUDE": _launch_bounds(nw * 32, minb), "GRID_X": slots * nw * 32}
 
 
 _PAIR_TABLES: dict = {}
@@ -398,10 +444,8 @@ def decode(
         tables = [_pair_table(key_centroids, key_bits),
                   _pair_table(value_centroids, value_bits, 32 if cfg["VC32"] else 0)]
         (ws,) = _launch(
-            "tq_decode_tc8", prelude=_launch_bounds(NW * 32, cfg["MINB"]), inputs=inputs[:5] + tables + [meta],
-            template=[("D", D), ("BK", key_bits), ("BV", value_bits), ("NW", NW), ("PF", cfg["PF"]),
-                      ("VC32", cfg["VC32"])],
-            grid=(cfg["S"] * NW * 32, H, B), threadgroup=(NW * 32, 1, 1),
+            "tq_decode_tc8", prelude=cfg["PRELUDE"], inputs=inputs[:5] + tables + [meta],
+            template=cfg["TEMPLATE"], grid=(cfg["GRID_X"], H, B), threadgroup=(NW * 32, 1, 1),
             output_shapes=[(cfg["WS"],)], output_dtypes=[mx.float32],
             init_value=0.0,  # the split counters start at zero
         )
@@ -591,10 +635,100 @@ def _glue(rotation, value_rotation, scale: float, G: int, L: int):
     return per_rot[key]
 
 
+# Whether decode steps run tq_decode_tc8_fused (one launch) where it
+# applies; ``TQ_DECODE_FUSED=1|0`` overrides.  On once validated on the H200.
+FUSED_STEP_BY_DEFAULT = False
+
+
+def fused_step_enabled() -> bool:
+    """``TQ_DECODE_FUSED`` (default: ``FUSED_STEP_BY_DEFAULT``): run a whole
+    decode step in one launch where :func:`fused_step_supported` allows it."""
+    v = getenv("TQ_DECODE_FUSED", "").strip().lower()
+    if not v:
+        return FUSED_STEP_BY_DEFAULT
+    return v not in ("0", "off", "false")
+
+
+def fused_step_supported(queries: mx.array, window_keys: mx.array, window_values: mx.array,
+                         cache, window_mask) -> bool:
+    """Whether ``tq_decode_tc8_fused`` covers this decode step: the tc8
+    kernel (CUDA, head dim 64/128, <= 8 query rows per kv head), no mask
+    over the window, Walsh-Hadamard rotations (power-of-two head dim), a
+    non-empty window whose scores fit the kernel's shared memory."""
+    if window_mask is not None or not fused_step_enabled():
+        return False
+    B, H_q, L, D = queries.shape
+    H_kv, W = window_keys.shape[1], window_keys.shape[2]
+    R = (H_q // H_kv) * L
+    if W < 1 or window_values.shape[-1] != D or decode_kernel(D, cache.keys_norms.shape[2], R) != "tc8":
+        return False
+    rot, vrot = cache.rotation, _value_rotation(cache)
+    if not (getattr(rot, "is_walsh_hadamard", False) and getattr(vrot, "is_walsh_hadamard", False)):
+        return False
+    nw = tc8_config(D, R, B * H_kv, cache.packed_len)["NW"]
+    return R * (D + W) + 24 <= nw * 8 * (D + 2)  # window scores within the kernel's reduction area
+
+
+_NO_MEAN = None
+
+
+def _mean_or_zero(cache, name: str):
+    """(array, present): the cache's mean as float32, or a 1-element dummy."""
+    global _NO_MEAN
+    m = getattr(cache, name, None)
+    if m is not None:
+        return _f32(m), 1
+    if _NO_MEAN is None:
+        _NO_MEAN = mx.zeros((1,), mx.float32)
+    return _NO_MEAN, 0
+
+
+def _float_bits(x: float) -> int:
+    return struct.unpack("<i", struct.pack("<f", float(x)))[0]
+
+
+def decode_step(queries: mx.array, window_keys: mx.array, window_values: mx.array, cache,
+                scale: float) -> mx.array:
+    """The whole decode attention step in one launch (``tq_decode_tc8_fused``).
+
+    Same result as :func:`_decode_attention` without a mask (rotate q, packed
+    history, exact window, log-sum-exp merge, key-mean shift, value mean,
+    inverse rotation), but the rotations, the window and the merge run inside
+    the split-K kernel: one launch and one graph node per layer instead of
+    ~20, which at 8k-128k tokens cost more than the attention itself.
+    Callers check :func:`fused_step_supported` first.
+    """
+    B, H_q, L, D = queries.shape
+    H_kv, W = window_keys.shape[1], window_keys.shape[2]
+    R = (H_q // H_kv) * L
+    kc, vc = cache.key_codec, cache.value_codec
+    n = cache.packed_len
+    cfg = tc8_config(D, R, B * H_kv, n, kc.bits, vc.bits, window=True)
+    km, has_km = _mean_or_zero(cache, "key_mean")
+    vm, has_vm = _mean_or_zero(cache, "value_mean")
+    meta = _meta(n, cache.keys_packed.shape[2], cfg["TOKS"], H_kv, cfg["SLOTS"], R, 0, 0,
+                 cfg["OFF_PO"], cfg["OFF_PM"], cfg["OFF_PL"], W, _float_bits(scale), has_km, has_vm)
+    kcent, vcent = _centroids(kc), _centroids(vc)
+    tables = [_pair_table(kcent, kc.bits), _pair_table(vcent, vc.bits, 32 if cfg["VC32"] else 0)]
+    _, out = _launch(
+        "tq_decode_tc8_fused", prelude=cfg["PRELUDE"],
+        inputs=[queries, cache.keys_packed, cache.keys_norms, cache.values_packed, cache.values_norms,
+                *tables, meta, window_keys, window_values, cache.rotation.signs,
+                _value_rotation(cache).signs, km, vm],
+        template=cfg["TEMPLATE"], grid=(cfg["GRID_X"], H_kv, B), threadgroup=(cfg["NW"] * 32, 1, 1),
+        output_shapes=[(cfg["WS"],), (B, H_q, L, D)], output_dtypes=[mx.float32, queries.dtype],
+        init_value=0.0,  # the split counters start at zero
+    )
+    return out
+
+
 def _decode_attention(queries, window_keys, window_values, cache, scale, window_mask):
     """Few query rows: the fused split-K kernel for the packed history, merged
     by log-sum-exp with exact attention over the window (as the reference
-    path merges its online-softmax state)."""
+    path merges its online-softmax state).  Where the one-launch kernel
+    covers the step (CUDA), it runs instead of the ops below."""
+    if fused_step_supported(queries, window_keys, window_values, cache, window_mask):
+        return decode_step(queries, window_keys, window_values, cache, scale)
     B, H_q, L, D = queries.shape
     H_kv = window_keys.shape[1]
     G = H_q // H_kv
@@ -704,7 +838,7 @@ def kernel_supported(queries: mx.array, window_keys: mx.array, cache) -> bool:
 
 def prefill_rows() -> int:
     """Query rows per kv head above which the dequantize + SDPA path runs."""
-    return int(os.environ.get("TQ_PREFILL_ROWS", 16))
+    return int(getenv("TQ_PREFILL_ROWS", 16))
 
 
 def prefill_dequant_limit() -> int:
@@ -718,7 +852,7 @@ def prefill_dequant_limit() -> int:
     sets it (default 256 MiB: 32k tokens x 8 kv heads x d=128 in fp16, keys
     and values, counting the concatenated copy).
     """
-    return int(float(os.environ.get("TQ_PREFILL_DEQUANT_MB", 256)) * 2**20)
+    return int(float(getenv("TQ_PREFILL_DEQUANT_MB", 256)) * 2**20)
 
 
 def prefill_dequant_bytes(queries: mx.array, window_keys: mx.array, cache) -> int:

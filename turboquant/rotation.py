@@ -92,6 +92,14 @@ class HadamardRotation:
         kind = "hadamard" if self.uses_hadamard else "random-orthogonal"
         return f"HadamardRotation(dim={self.dim}, seed={self.seed}, {kind})"
 
+    @property
+    def is_walsh_hadamard(self) -> bool:
+        """True for power-of-two ``dim``: ``forward`` is signs then the
+        natural-order (Sylvester) Walsh-Hadamard transform, and ``inverse``
+        the same transform then the signs -- what a kernel can do in place
+        with butterflies instead of a matrix."""
+        return self.uses_hadamard and self._symmetric and self.dim & (self.dim - 1) == 0
+
     def _check(self, x: mx.array, what: str) -> None:
         if x.shape[-1] != self.dim:
             raise ValueError(
