@@ -16,6 +16,10 @@ Kernels:
   elsewhere).  Returns the normalised
   rotated-domain output and its log-sum-exp, which merge with the exact
   window exactly like the reference path's online-softmax state.
+* ``decode_step`` (CUDA): the whole decode attention step in one launch
+  (``tq_decode_tc8_fused``: the tc8 body with ``TQ_FUSED``): query rotation,
+  packed history, exact window, merge, centring terms and inverse rotation
+  inside the kernel instead of ~20 MLX ops around it.
 * ``dequant``: packed history -> rotated-domain keys/values in the model dtype,
   for chunked prefill, which then runs MLX's fused SDPA (matrix units) over
   ``[history; window]`` in one call.
