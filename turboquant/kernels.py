@@ -101,8 +101,10 @@ def mode() -> str:
     return m
 
 
+@lru_cache(maxsize=1)
 def backend() -> Optional[str]:
-    """``"metal"``, ``"cuda"`` or None: which kernel language this MLX build runs."""
+    """``"metal"``, ``"cuda"`` or None: which kernel language this MLX build
+    runs (fixed for the process: asked once, not on every decode step)."""
     if mx.metal.is_available():
         return "metal"
     cuda = getattr(mx, "cuda", None)
@@ -640,7 +642,8 @@ def _glue(rotation, value_rotation, scale: float, G: int, L: int):
 
 
 # Whether decode steps run tq_decode_tc8_fused (one launch) where it
-# applies; ``TQ_DECODE_FUSED=1|0`` overrides.  On once validated on the H200.
+# applies; ``TQ_DECODE_FUSED=1|0`` overrides.  Validated on the H200
+# (docs/benchmarks.md, session 13).
 FUSED_STEP_BY_DEFAULT = False
 
 
@@ -653,24 +656,34 @@ def fused_step_enabled() -> bool:
     return v not in ("0", "off", "false")
 
 
-def fused_step_supported(queries: mx.array, window_keys: mx.array, window_values: mx.array,
-                         cache, window_mask) -> bool:
-    """Whether ``tq_decode_tc8_fused`` covers this decode step: the tc8
-    kernel (CUDA, head dim 64/128, <= 8 query rows per kv head), no mask
-    over the window, Walsh-Hadamard rotations (power-of-two head dim), a
-    non-empty window whose scores fit the kernel's shared memory."""
+def fused_step_config(queries: mx.array, window_keys: mx.array, window_values: mx.array,
+                      cache, window_mask) -> Optional[dict]:
+    """The launch configuration of ``tq_decode_tc8_fused`` for this decode
+    step, or None where it does not apply.  It covers: the tc8 kernel (CUDA,
+    head dim 64/128, <= 8 query rows per kv head), no mask over the window,
+    Walsh-Hadamard rotations (power-of-two head dim), a non-empty window
+    whose scores fit the kernel's shared memory."""
     if window_mask is not None or not fused_step_enabled():
-        return False
+        return None
     B, H_q, L, D = queries.shape
     H_kv, W = window_keys.shape[1], window_keys.shape[2]
     R = (H_q // H_kv) * L
     if W < 1 or window_values.shape[-1] != D or decode_kernel(D, cache.keys_norms.shape[2], R) != "tc8":
-        return False
+        return None
     rot, vrot = cache.rotation, _value_rotation(cache)
     if not (getattr(rot, "is_walsh_hadamard", False) and getattr(vrot, "is_walsh_hadamard", False)):
-        return False
-    nw = tc8_config(D, R, B * H_kv, cache.packed_len)["NW"]
-    return R * (D + W) + 24 <= nw * 8 * (D + 2)  # window scores within the kernel's reduction area
+        return None
+    cfg = tc8_config(D, R, B * H_kv, cache.packed_len, cache.key_codec.bits, cache.value_codec.bits,
+                     window=True)
+    if R * (D + W) + 24 > cfg["NW"] * 8 * (D + 2):  # window scores beyond the kernel's reduction area
+        return None
+    return cfg
+
+
+def fused_step_supported(queries: mx.array, window_keys: mx.array, window_values: mx.array,
+                         cache, window_mask) -> bool:
+    """Whether :func:`decode_step` covers this step (:func:`fused_step_config`)."""
+    return fused_step_config(queries, window_keys, window_values, cache, window_mask) is not None
 
 
 _NO_MEAN = None
@@ -692,7 +705,7 @@ def _float_bits(x: float) -> int:
 
 
 def decode_step(queries: mx.array, window_keys: mx.array, window_values: mx.array, cache,
-                scale: float) -> mx.array:
+                scale: float, cfg: Optional[dict] = None) -> mx.array:
     """The whole decode attention step in one launch (``tq_decode_tc8_fused``).
 
     Same result as :func:`_decode_attention` without a mask (rotate q, packed
@@ -700,14 +713,15 @@ def decode_step(queries: mx.array, window_keys: mx.array, window_values: mx.arra
     inverse rotation), but the rotations, the window and the merge run inside
     the split-K kernel: one launch and one graph node per layer instead of
     ~20, which at 8k-128k tokens cost more than the attention itself.
-    Callers check :func:`fused_step_supported` first.
+    Callers check :func:`fused_step_config` first (and may pass its result).
     """
     B, H_q, L, D = queries.shape
     H_kv, W = window_keys.shape[1], window_keys.shape[2]
     R = (H_q // H_kv) * L
     kc, vc = cache.key_codec, cache.value_codec
     n = cache.packed_len
-    cfg = tc8_config(D, R, B * H_kv, n, kc.bits, vc.bits, window=True)
+    if cfg is None:
+        cfg = tc8_config(D, R, B * H_kv, n, kc.bits, vc.bits, window=True)
     km, has_km = _mean_or_zero(cache, "key_mean")
     vm, has_vm = _mean_or_zero(cache, "value_mean")
     meta = _meta(n, cache.keys_packed.shape[2], cfg["TOKS"], H_kv, cfg["SLOTS"], R, 0, 0,
@@ -731,8 +745,9 @@ def _decode_attention(queries, window_keys, window_values, cache, scale, window_
     by log-sum-exp with exact attention over the window (as the reference
     path merges its online-softmax state).  Where the one-launch kernel
     covers the step (CUDA), it runs instead of the ops below."""
-    if fused_step_supported(queries, window_keys, window_values, cache, window_mask):
-        return decode_step(queries, window_keys, window_values, cache, scale)
+    cfg = fused_step_config(queries, window_keys, window_values, cache, window_mask)
+    if cfg is not None:
+        return decode_step(queries, window_keys, window_values, cache, scale, cfg)
     B, H_q, L, D = queries.shape
     H_kv = window_keys.shape[1]
     G = H_q // H_kv
