@@ -56,7 +56,7 @@ _SIGNATURES = {
     "tq_decode_tc": (["q", "kp", "kn", "vp", "vn", "klut_g", "vlut_g", "meta"], ["po", "pm", "pl"]),
     "tq_decode_tc8": (["q", "kp", "kn", "vp", "vn", "klut_g", "vlut_g", "meta"], ["ws"]),
     "tq_decode_tc8_fused": (["q", "kp", "kn", "vp", "vn", "klut_g", "vlut_g", "meta",
-                             "wk", "wv", "signs", "vsigns", "km", "vm"], ["ws", "out"]),
+                             "wk", "wv", "signs", "vsigns", "km", "vm", "cnt"], ["ws", "out"]),
     "tq_decode_reduce": (["po", "pm", "pl", "meta"], ["out", "lse"]),
     "tq_dequant": (["packed", "norms", "cb", "mean", "meta"], ["out"]),
     "tq_quantize": (["x", "signs", "bounds", "cents"], ["packed", "norms"]),
@@ -644,7 +644,7 @@ def _glue(rotation, value_rotation, scale: float, G: int, L: int):
 # Whether decode steps run tq_decode_tc8_fused (one launch) where it
 # applies; ``TQ_DECODE_FUSED=1|0`` overrides.  Validated on the H200
 # (docs/benchmarks.md, session 13).
-FUSED_STEP_BY_DEFAULT = False
+FUSED_STEP_BY_DEFAULT = True
 
 
 def fused_step_enabled() -> bool:
@@ -732,11 +732,11 @@ def decode_step(queries: mx.array, window_keys: mx.array, window_values: mx.arra
         "tq_decode_tc8_fused", prelude=cfg["PRELUDE"],
         inputs=[queries, cache.keys_packed, cache.keys_norms, cache.values_packed, cache.values_norms,
                 *tables, meta, window_keys, window_values, cache.rotation.signs,
-                _value_rotation(cache).signs, km, vm],
+                _value_rotation(cache).signs, km, vm,
+                mx.zeros((B * H_kv,), mx.uint32)],  # split counters (the kernel resets them)
         template=cfg["TEMPLATE"], grid=(cfg["GRID_X"], H_kv, B), threadgroup=(cfg["NW"] * 32, 1, 1),
         output_shapes=[(cfg["WS"],), (B, H_q, L, D)], output_dtypes=[mx.float32, queries.dtype],
-        init_value=0.0,  # the split counters start at zero
-    )
+    )  # no init_value: the kernel writes every element before reading it
     return out
 
 
