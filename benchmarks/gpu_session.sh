@@ -24,6 +24,9 @@ python3 -c 'import mlx.core as mx; print(mx.__version__, mx.default_device(), mx
 if [ "$what" = all ] || [ "$what" = tests ] || [ "$what" = tb ]; then
   timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -q -p no:cacheprovider -n 8 -m gpu ${PYTEST_K:+-k "$PYTEST_K"} tests/test_kernels.py 2>&1 \
     | tee "$OUT/tests.log" | tail -60
+  # a timed-out run leaves its xdist workers (execnet children) running on
+  # the GPU and the host CPU; they would skew every figure that follows
+  pkill -f pytest 2>/dev/null; pkill -f 'sys.stdin.readline' 2>/dev/null; sleep 2
 fi
 if [ "$what" = all ] || [ "$what" = bench ] || [ "$what" = tb ]; then
   timeout "${BENCH_TIMEOUT:-300}" python3 benchmarks/gpu_attention.py --json "$OUT/bench.json" ${BENCH_ARGS:-} 2>&1 \
