@@ -380,13 +380,20 @@ def _tc8_config(d, rows, b_hkv, n, key_bits, value_bits, window, env) -> dict:
             "OFF_OUT": off_out, "OFF_LSE": off_lse, "OFF_PO": off_po, "OFF_PM": off_pm,
             "OFF_PL": off_pl, "WS": off_pl + b_hkv * slots * rows,
             # the launch arguments that follow from the above (built once, not per step)
-            "L2PF": int(bool(l2pf)),
             "TEMPLATE": [("D", d), ("BK", key_bits), ("BV", value_bits), ("NW", nw), ("PF", pf),
                          ("VC32", vc32), ("L2PF", int(bool(l2pf)))],
             "PRELUDE": _launch_bounds(nw * 32, minb), "GRID_X": slots * nw * 32}
 
 
 _PAIR_TABLES: dict = {}
+
+
+def _tc8_tables(key_centroids: mx.array, key_bits: int, value_centroids: mx.array,
+                value_bits: int, cfg: dict) -> list:
+    """The two pair tables a tc8 launch reads (32-copy value table where
+    ``cfg`` picked it)."""
+    return [_pair_table(key_centroids, key_bits),
+            _pair_table(value_centroids, value_bits, 32 if cfg["VC32"] else 0)]
 
 
 def _pair_table(centroids: mx.array, bits: int, copies: int = 0) -> mx.array:
@@ -447,8 +454,7 @@ def decode(
         NW = cfg["NW"]
         meta = _meta(n, cap, cfg["TOKS"], H, cfg["S"], R, cfg["OFF_OUT"], cfg["OFF_LSE"],
                      cfg["OFF_PO"], cfg["OFF_PM"], cfg["OFF_PL"])
-        tables = [_pair_table(key_centroids, key_bits),
-                  _pair_table(value_centroids, value_bits, 32 if cfg["VC32"] else 0)]
+        tables = _tc8_tables(key_centroids, key_bits, value_centroids, value_bits, cfg)
         (ws,) = _launch(
             "tq_decode_tc8", prelude=cfg["PRELUDE"], inputs=inputs[:5] + tables + [meta],
             template=cfg["TEMPLATE"], grid=(cfg["GRID_X"], H, B), threadgroup=(NW * 32, 1, 1),
@@ -726,8 +732,7 @@ def decode_step(queries: mx.array, window_keys: mx.array, window_values: mx.arra
     vm, has_vm = _mean_or_zero(cache, "value_mean")
     meta = _meta(n, cache.keys_packed.shape[2], cfg["TOKS"], H_kv, cfg["SLOTS"], R, 0, 0,
                  cfg["OFF_PO"], cfg["OFF_PM"], cfg["OFF_PL"], W, _float_bits(scale), has_km, has_vm)
-    kcent, vcent = _centroids(kc), _centroids(vc)
-    tables = [_pair_table(kcent, kc.bits), _pair_table(vcent, vc.bits, 32 if cfg["VC32"] else 0)]
+    tables = _tc8_tables(_centroids(kc), kc.bits, _centroids(vc), vc.bits, cfg)
     _, out = _launch(
         "tq_decode_tc8_fused", prelude=cfg["PRELUDE"],
         inputs=[queries, cache.keys_packed, cache.keys_norms, cache.values_packed, cache.values_norms,
