@@ -457,6 +457,21 @@ def test_decode_matches_reference(monkeypatch, bits, d, gqa, impl, pair):
         assert np.abs(np.asarray(lse) - rl).max() < 10 * tol * max(1.0, np.abs(rl).max())
 
 
+def _check_decode(rng, bk, bv, B, H, cap, n, rows, q_scale, structured_keys=False, d=128):
+    """kernels.decode on random packed K/V (head dim d) against the float64
+    reference: output within 4e-3, log-sum-exp within 4e-2 (fp16 operands)."""
+    kw, kn, ik = _packed_tensor(rng, B, H, cap, d, bk, n, structured=structured_keys)
+    vw, vn, iv = _packed_tensor(rng, B, H, cap, d, bv, n)
+    ck = np.asarray(codebook(bk, d).centroids)
+    cv = np.asarray(codebook(bv, d).centroids)
+    q = rng.standard_normal((B, H, rows, d)) * q_scale
+    out, lse = kernels.decode(mx.array(q.astype(np.float32)), kw, kn, vw, vn,
+                              mx.array(ck.astype(np.float32)), mx.array(cv.astype(np.float32)), n, bk, bv)
+    ro, rl = _reference_decode(q, ik, np.asarray(kn), iv, np.asarray(vn), ck, cv, n)
+    assert _rel(out, ro) < 4e-3
+    assert np.abs(np.asarray(lse) - rl).max() < 4e-2 * max(1.0, np.abs(rl).max())
+
+
 @gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("bits", [(3, 4), (2, 3)])
@@ -467,18 +482,7 @@ def test_tensor_core_kernel_tiles_many_query_rows(monkeypatch, bits, rows):
         pytest.skip("tensor-core kernel: CUDA only")
     monkeypatch.setenv("TQ_DECODE_IMPL", "tc")
     bk, bv = bits
-    d, B, H, n = 128, 1, 2, 3001
-    rng = np.random.default_rng(rows)
-    kw, kn, ik = _packed_tensor(rng, B, H, 3072, d, bk, n)
-    vw, vn, iv = _packed_tensor(rng, B, H, 3072, d, bv, n)
-    ck = np.asarray(codebook(bk, d).centroids)
-    cv = np.asarray(codebook(bv, d).centroids)
-    q = rng.standard_normal((B, H, rows, d)) * 2.0
-    out, lse = kernels.decode(mx.array(q.astype(np.float32)), kw, kn, vw, vn,
-                              mx.array(ck.astype(np.float32)), mx.array(cv.astype(np.float32)), n, bk, bv)
-    ro, rl = _reference_decode(q, ik, np.asarray(kn), iv, np.asarray(vn), ck, cv, n)
-    assert _rel(out, ro) < 4e-3
-    assert np.abs(np.asarray(lse) - rl).max() < 4e-2 * max(1.0, np.abs(rl).max())
+    _check_decode(np.random.default_rng(rows), bk, bv, B=1, H=2, cap=3072, n=3001, rows=rows, q_scale=2.0)
 
 
 @gpu
@@ -498,18 +502,8 @@ def test_tc8_long_splits_and_fused_reduction(monkeypatch, bits, blocks, pf, vc32
     monkeypatch.setenv("TQ_TC8_VC32", vc32)  # 32-copy 4-bit value table (3-bit keys)
     monkeypatch.setenv("TQ_TC8_L2PF", l2pf)  # code loads with the L2::256B hint
     bk, bv = bits
-    d, B, H, n = 128, 2, 2, 20000
-    rng = np.random.default_rng(n + bk)
-    kw, kn, ik = _packed_tensor(rng, B, H, 20480, d, bk, n, structured=True)
-    vw, vn, iv = _packed_tensor(rng, B, H, 20480, d, bv, n)
-    ck = np.asarray(codebook(bk, d).centroids)
-    cv = np.asarray(codebook(bv, d).centroids)
-    q = rng.standard_normal((B, H, 4, d)) * 3.0
-    out, lse = kernels.decode(mx.array(q.astype(np.float32)), kw, kn, vw, vn,
-                              mx.array(ck.astype(np.float32)), mx.array(cv.astype(np.float32)), n, bk, bv)
-    ro, rl = _reference_decode(q, ik, np.asarray(kn), iv, np.asarray(vn), ck, cv, n)
-    assert _rel(out, ro) < 4e-3
-    assert np.abs(np.asarray(lse) - rl).max() < 4e-2 * max(1.0, np.abs(rl).max())
+    _check_decode(np.random.default_rng(20000 + bk), bk, bv, B=2, H=2, cap=20480, n=20000, rows=4,
+                  q_scale=3.0, structured_keys=True)
 
 
 @gpu
