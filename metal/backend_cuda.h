@@ -145,22 +145,20 @@ __device__ __forceinline__ void tq_load8(const float* p, float (&x)[8]) {
   const float4 a = reinterpret_cast<const float4*>(p)[0], b = reinterpret_cast<const float4*>(p)[1];
   x[0] = a.x; x[1] = a.y; x[2] = a.z; x[3] = a.w; x[4] = b.x; x[5] = b.y; x[6] = b.z; x[7] = b.w;
 }
-__device__ __forceinline__ void tq_load8(const __half* p, float (&x)[8]) {
-  const uint4 u = *reinterpret_cast<const uint4*>(p);
-  const unsigned int w[4] = {u.x, u.y, u.z, u.w};
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&w[i]));
-    x[2 * i] = f.x;
-    x[2 * i + 1] = f.y;
-  }
+// Two packed 2-byte floats (one word) as a float2; the pointer picks the type.
+__device__ __forceinline__ float2 tq_word_to_float2(const __half*, unsigned int w) {
+  return __half22float2(*reinterpret_cast<const __half2*>(&w));
 }
-__device__ __forceinline__ void tq_load8(const __nv_bfloat16* p, float (&x)[8]) {
+__device__ __forceinline__ float2 tq_word_to_float2(const __nv_bfloat16*, unsigned int w) {
+  return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w));
+}
+template <typename T>  // __half or __nv_bfloat16: one 16-byte load
+__device__ __forceinline__ void tq_load8(const T* p, float (&x)[8]) {
   const uint4 u = *reinterpret_cast<const uint4*>(p);
   const unsigned int w[4] = {u.x, u.y, u.z, u.w};
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
-    const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w[i]));
+    const float2 f = tq_word_to_float2(p, w[i]);
     x[2 * i] = f.x;
     x[2 * i + 1] = f.y;
   }
