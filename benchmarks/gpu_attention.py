@@ -191,7 +191,7 @@ def bench_decode(lengths, results, bw):
                     row[label] = (t, c0.nbytes)
             if kv_bits == 3.5:  # whole attention: rotations, 128-token window, merge
                 wk = mx.random.normal((1, HKV, 128, D)).astype(mx.float16)
-                full = [lambda c=c: kernels._decode_attention(q, wk, wk, c, SCALE, None) for c in cs]
+                full = [lambda c=c: kernels.turboquant_attention(q, wk, wk, c, SCALE, None) for c in cs]
                 os.environ["TQ_DECODE_FUSED"] = "1"
                 try:
                     t = timeit(full, batch=batch)  # one launch (tq_decode_tc8_fused) where it applies
@@ -238,6 +238,80 @@ def bench_decode_variants(n, results, blocks_list=(264, 528, 1056)):
     return best
 
 
+def bench_step_variants(n, results, blocks_list=(132, 198, 264), vc32_list=(0, 1)):
+    """Launch shapes of the one-launch decode step at one length: at short
+    contexts every threadgroup's fixed work (copying the pair tables into
+    shared memory, rotating q) weighs more, so fewer threadgroups or the
+    smaller value table may win there."""
+    q = mx.random.normal((1, HQ, 1, D)).astype(mx.float16)
+    wk = mx.random.normal((1, HKV, 128, D)).astype(mx.float16)
+    c0 = tq_cache(n, 3.5)
+    cs = [c0] + [tq_cache(n, 3.5, seed=i + 1) for i in range(copies_for(c0.nbytes) - 1)]
+    batch = max(8, copies_for(tq_cache_bytes(n, 2.5)))  # as in the decode table
+    print(f"\n== one-launch decode step launch shapes at {n} tokens, 3.5-bit (batch {batch})")
+    os.environ["TQ_DECODE_FUSED"] = "1"
+    for vc in vc32_list:
+        for blocks in blocks_list:
+            os.environ.update(TQ_TC8_VC32=str(vc), TQ_TC8_BLOCKS=str(blocks))
+            try:
+                t = timeit([lambda c=c: kernels.turboquant_attention(q, wk, wk, c, SCALE, None) for c in cs],
+                           batch=batch)
+            except Exception as e:  # noqa: BLE001
+                print(f"  VC32={vc} blocks={blocks:>4}: failed {e}")
+                continue
+            print(f"  VC32={vc} blocks={blocks:>4}: {t * 1e3:.4f} ms")
+            results.setdefault("step_variants", {})[f"{n}/{vc}/{blocks}"] = t
+    for key in ("TQ_DECODE_FUSED", "TQ_TC8_VC32", "TQ_TC8_BLOCKS"):
+        os.environ.pop(key, None)
+
+
+class _ReusedCounters:
+    """``mx`` for turboquant.kernels with ``zeros`` handing out one array per
+    shape: the one-launch step's split counters without the fill node per
+    call.  Only for measuring what that node costs -- correct here because
+    every call in a batch reads another cache copy (another plan), but not in
+    general (two launches sharing counters may run side by side)."""
+
+    def __init__(self):
+        self._z = {}
+
+    def __getattr__(self, name):
+        return getattr(mx, name)
+
+    def zeros(self, shape, dtype=mx.float32):
+        key = (tuple(shape), dtype)
+        if key not in self._z:
+            self._z[key] = mx.zeros(shape, dtype)
+            mx.eval(self._z[key])
+        return self._z[key]
+
+
+def bench_counter_node(n, results):
+    """Whole decode step with a fresh zeroed counter array per call (the
+    default: one fill node + the kernel) vs one reused array (the kernel
+    alone): what the extra graph node costs per call."""
+    q = mx.random.normal((1, HQ, 1, D)).astype(mx.float16)
+    wk = mx.random.normal((1, HKV, 128, D)).astype(mx.float16)
+    cs = [tq_cache(n, 3.5, seed=i) for i in range(copies_for(tq_cache_bytes(n, 3.5)))]
+    os.environ["TQ_DECODE_FUSED"] = "1"
+    out = {}
+    print(f"\n== split counters at {n} tokens: fresh zeros per call vs one reused array (ms per call)")
+    for batch in (max(8, copies_for(tq_cache_bytes(n, 2.5))), 128):
+        for name in ("fresh", "reused"):
+            saved = kernels.mx
+            if name == "reused":
+                kernels.mx = _ReusedCounters()
+            try:
+                t = timeit([lambda c=c: kernels.turboquant_attention(q, wk, wk, c, SCALE, None) for c in cs],
+                           batch=batch)
+            finally:
+                kernels.mx = saved
+            out[f"{name}/{batch}"] = t
+        print(f"  batch {batch:>4}: fresh {out[f'fresh/{batch}'] * 1e3:.4f}  reused {out[f'reused/{batch}'] * 1e3:.4f}")
+    os.environ.pop("TQ_DECODE_FUSED")
+    results.setdefault("counter_node", {})[n] = out
+
+
 def bench_batch(n, results):
     """Per-call time against the number of calls per evaluation: how much of
     a short-context figure is MLX's per-evaluation overhead (same for every
@@ -251,7 +325,7 @@ def bench_batch(n, results):
         "fp16 sdpa": [lambda c=c: mx.fast.scaled_dot_product_attention(q, c[0], c[1], scale=SCALE)
                       for c in caches],
         "tq 3.5 kernel": [tq_decode_fn(c, q_rot) for c in tqs],
-        "tq 3.5 whole step": [lambda c=c: kernels._decode_attention(q, wk, wk, c, SCALE, None) for c in tqs],
+        "tq 3.5 whole step": [lambda c=c: kernels.turboquant_attention(q, wk, wk, c, SCALE, None) for c in tqs],
     }
     os.environ["TQ_DECODE_FUSED"] = "1"  # the one-launch step
     print(f"\n== calls per evaluation at {n} tokens (ms per call; x = fp16 time / this)")
@@ -414,6 +488,10 @@ def main() -> int:
                     help="comma-separated lengths for the launch-shape sweep ('none' = skip)")
     ap.add_argument("--sweep-blocks", default="264,528,1056", help="threadgroup counts the sweep tries")
     ap.add_argument("--batch-check", default="none", help="lengths for the calls-per-evaluation check ('none' = skip)")
+    ap.add_argument("--counter-check", default="none",
+                    help="lengths for the split-counter fill-node check ('none' = skip)")
+    ap.add_argument("--step-sweep", default="none",
+                    help="lengths for the one-launch step's launch-shape sweep ('none' = skip)")
     ap.add_argument("--prefill", default="128k", help="prefill length ('none' = skip)")
     ap.add_argument("--chunk", type=int, default=2048)
     ap.add_argument("--json", default="")
@@ -435,6 +513,12 @@ def main() -> int:
             if best:
                 print(f"  best: {best[1]} (the table above uses the defaults)")
                 results.setdefault("best_variant", {})[length] = best
+    if args.counter_check not in ("", "none"):
+        for length in args.counter_check.split(","):
+            bench_counter_node(parse_len(length), results)
+    if args.step_sweep not in ("", "none"):
+        for length in args.step_sweep.split(","):
+            bench_step_variants(parse_len(length), results)
     if args.batch_check not in ("", "none"):
         for length in args.batch_check.split(","):
             bench_batch(parse_len(length), results)

@@ -217,6 +217,104 @@ def test_fused_step_dispatch(monkeypatch):
     assert not kernels.fused_step_supported(q, wk, wv, cache, None)
 
 
+class _RecordingKernel:
+    """Stands in for the callable ``mx.fast.cuda_kernel`` returns: records
+    each launch and returns zeros of the asked shapes."""
+
+    def __init__(self, name, log):
+        self.name, self.calls, self.log = name, [], log
+
+    def __call__(self, **kw):
+        self.calls.append(kw)
+        self.log.append((self.name, kw))
+        return [mx.zeros(s, d) for s, d in zip(kw["output_shapes"], kw["output_dtypes"])]
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    """A CUDA backend whose kernels record their launches (no GPU needed)."""
+    made, log = {}, []
+
+    def cuda_kernel(name, **kw):
+        return made.setdefault(name, _RecordingKernel(name, log))
+
+    monkeypatch.setattr(kernels, "backend", lambda: "cuda")
+    monkeypatch.setattr(mx.fast, "cuda_kernel", cuda_kernel)
+    kernels._kernel.cache_clear()
+    kernels._PLANS.clear()
+    yield made, log
+    kernels._kernel.cache_clear()  # no recording kernel outlives the test
+    kernels._PLANS.clear()
+
+
+def test_kernel_names_carry_the_dtypes(fake_cuda):
+    """MLX caches compiled kernels by name (and CUDA ones on disk): a kernel
+    built for float16 inputs must not be found again for float32 ones."""
+    f16, f32 = mx.zeros((2,), mx.float16), mx.zeros((2,), mx.float32)
+    a = kernels._kernel_for("tq_quantize", "", [f16, f32, f32, f32], [mx.uint32, mx.float16])
+    b = kernels._kernel_for("tq_quantize", "", [f32, f32, f32, f32], [mx.uint32, mx.float16])
+    c = kernels._kernel_for("tq_quantize", "", [f16, f32, f32, f32], [mx.uint32, mx.float16])
+    d = kernels._kernel_for("tq_quantize", "", [f16, f32, f32, f32], [mx.uint32, mx.float32])
+    assert a is c and len({a.name, b.name, d.name}) == 3
+    assert all(k.name.startswith("tq_quantize_") for k in (a, b, d))
+
+
+def test_decode_step_plan(fake_cuda, monkeypatch):
+    """A decode step's launch comes from a plan built once per shape and
+    settings; each step still passes its own packed length, window length,
+    means and fresh split counters, and a changed setting builds a new plan."""
+    monkeypatch.setenv("TQ_KERNELS", "gpu")
+    monkeypatch.setenv("TQ_DECODE_FUSED", "1")
+    monkeypatch.delenv("TQ_TC8_NW", raising=False)
+    monkeypatch.setattr(kernels, "quantize_any", _codec_quantize)
+    cache = _filled_cache(3.5, 128, 2, 300)  # window 16: flushes every few steps
+    q = mx.random.normal((1, 8, 1, 128)).astype(mx.float16)
+    seen = []
+    for _ in range(12):
+        k = mx.random.normal((1, 2, 1, 128)).astype(mx.float16)
+        wk, wv = cache.update_and_fetch(k, k)
+        out = kernels.turboquant_attention(q, wk, wv, cache, 0.1, None)
+        assert out.shape == q.shape and out.dtype == mx.float16
+        seen.append((cache.packed_len, wk.shape[2], kernels.fused_step_config(q, wk, wv, cache, None)))
+    made, log = fake_cuda
+    (fused,) = [k for name, k in made.items() if name.startswith("tq_decode_tc8_fused")]
+    assert len(fused.calls) == 12 and len(kernels._PLANS[cache.rotation]) == 1
+    assert len({n for n, _, _ in seen}) > 1 and len({w for _, w, _ in seen}) > 1  # both moved
+    counters = set()
+    for call, (n, w, cfg) in zip(fused.calls, seen):
+        meta = np.asarray(call["inputs"][7])
+        assert meta[0] == n and meta[11] == w and meta[2] == cfg["TOKS"] and meta[4] == cfg["SLOTS"]
+        assert meta[12] == kernels._float_bits(0.1) and meta[13] == meta[14] == 1
+        assert call["template"] == cfg["TEMPLATE"] and call["grid"] == (cfg["GRID_X"], 2, 1)
+        assert call["output_shapes"] == [(cfg["WS"],), (1, 8, 1, 128)]
+        assert call["inputs"][8] is not None and call["inputs"][12].dtype == mx.float32
+        counters.add(id(call["inputs"][14]))
+    assert len(counters) == 12  # fresh counters per launch: launches may run side by side
+    # a new key mean is passed on at once; a new setting makes a new plan
+    cache.key_mean = cache.key_mean * 2
+    kernels.turboquant_attention(q, wk, wv, cache, 0.1, None)
+    assert np.allclose(np.asarray(fused.calls[-1]["inputs"][12]), np.asarray(cache.key_mean.astype(mx.float32)))
+    monkeypatch.setenv("TQ_TC8_NW", "8")
+    kernels.turboquant_attention(q, wk, wv, cache, 0.1, None)
+    name, call = log[-1]
+    assert name.startswith("tq_decode_tc8_fused") and name != fused.name  # another prelude
+    assert dict(call["template"])["NW"] == 8 and call["threadgroup"] == (256, 1, 1)
+    assert len(kernels._PLANS[cache.rotation]) == 2
+    # what the one-launch step does not take falls through to the general path
+    big = mx.zeros((1, 2, 4000, 128), mx.float16)
+    assert kernels._planned_step(q, big, big, cache, 0.1) is None
+    monkeypatch.setenv("TQ_DECODE_FUSED", "0")
+    assert kernels._planned_step(q, wk, wv, cache, 0.1) is None
+    with pytest.raises(ValueError, match="does not cover"):
+        kernels.decode_step(q, wk, wv, cache, 0.1)
+    # float32 queries: another kernel (its own name), same launch shape
+    monkeypatch.setenv("TQ_DECODE_FUSED", "1")
+    kernels.turboquant_attention(q.astype(mx.float32), wk, wv, cache, 0.1, None)
+    name, call = log[-1]
+    assert name.startswith("tq_decode_tc8_fused") and name not in (fused.name, log[-2][0])
+    assert call["output_shapes"][1] == (1, 8, 1, 128) and call["output_dtypes"][1] == mx.float32
+
+
 def test_tc8_value_table_copies_follow_the_widths(monkeypatch):
     for key in ("TQ_TC8_VC32", "TQ_TC8_PF", "TQ_TC8_MINBLOCKS", "TQ_TC8_NW"):
         monkeypatch.delenv(key, raising=False)
@@ -546,6 +644,28 @@ def test_fused_decode_step_matches_the_op_by_op_path(monkeypatch, kv_bits, d, h_
         monkeypatch.setenv("TQ_DECODE_FUSED", "0")
         ops = kernels._decode_attention(q, wk2, wk2 * 0.5, cache, scale, None)
         assert _rel(fused, ops) < tol
+
+
+@gpu
+@pytest.mark.gpu
+def test_fused_decode_step_dtypes_in_one_process(monkeypatch):
+    """float16, then float32, then bfloat16 queries and windows with the same
+    launch shape, one after another: each must run a kernel built for its own
+    types (MLX finds compiled kernels by name; the name carries the dtypes)."""
+    if kernels.backend() != "cuda":
+        pytest.skip("tensor-core kernel: CUDA only")
+    cache = _filled_cache(3.5, 128, 2, 700)
+    k = mx.random.normal((1, 2, 1, 128)) + 0.5
+    wk, wv = cache.update_and_fetch(k, k * 0.5)
+    q = mx.random.normal((1, 8, 1, 128)) * 2.0
+    monkeypatch.setenv("TQ_KERNELS", "gpu")
+    for dt in (mx.float16, mx.float32, mx.bfloat16, mx.float16):
+        args = (q.astype(dt), wk.astype(dt), wv.astype(dt), cache, 128**-0.5)
+        monkeypatch.setenv("TQ_DECODE_FUSED", "1")
+        fused = kernels.turboquant_attention(*args, None)
+        monkeypatch.setenv("TQ_DECODE_FUSED", "0")
+        ops = kernels.turboquant_attention(*args, None)
+        assert fused.dtype == dt and _rel(fused, ops) < (1.2e-2 if dt == mx.bfloat16 else 6e-3)
 
 
 @gpu

@@ -159,26 +159,44 @@ def kernel_source(name: str, be: str) -> tuple[str, str]:
 
 
 @lru_cache(maxsize=None)
-def _kernel(name: str, be: str, prelude: str = ""):
+def _kernel(name: str, be: str, prelude: str = "", dtypes: str = ""):
     header, body = kernel_source(name, be)
     header = header + prelude
     inputs, outputs = _SIGNATURES[name]
-    # MLX caches compiled CUDA modules on disk by kernel name (+ template
-    # args): put a hash of the source in the name so an edited source is
-    # never served from a stale cache.
+    # MLX caches compiled modules (in memory, and on disk for CUDA) by kernel
+    # name + template arguments only, not by the generated signature's
+    # types: put a hash of the source in the name, so an edited source is
+    # never served from a stale cache, and the arrays' dtypes, so a kernel
+    # built for float16 queries never runs on float32 ones.
     digest = hashlib.sha1((header + body).encode()).hexdigest()[:10]
     make = mx.fast.metal_kernel if be == "metal" else mx.fast.cuda_kernel
     return make(
-        name=f"{name}_{digest}", input_names=inputs, output_names=outputs,
+        name=f"{name}_{digest}{dtypes}", input_names=inputs, output_names=outputs,
         source=body, header=header,
     )
 
 
-def _launch(name: str, prelude: str = "", **kw):
+def dtype_tag(inputs, output_dtypes) -> str:
+    """A short name suffix for the dtypes of a launch's inputs and outputs
+    (``_kernel``: MLX keys its compiled-kernel caches by name)."""
+    return _dtype_tag(tuple([a.dtype for a in inputs] + list(output_dtypes)))
+
+
+@lru_cache(maxsize=1024)
+def _dtype_tag(dtypes: tuple) -> str:
+    sig = "/".join(str(dt).rsplit(".", 1)[-1] for dt in dtypes)
+    return "_" + hashlib.sha1(sig.encode()).hexdigest()[:8]
+
+
+def _kernel_for(name: str, prelude: str, inputs, output_dtypes):
     be = backend()
     if be is None:
         raise RuntimeError(f"{name}: no GPU backend (Metal or CUDA) in this MLX build")
-    return _kernel(name, be, prelude)(**kw)
+    return _kernel(name, be, prelude, dtype_tag(inputs, output_dtypes))
+
+
+def _launch(name: str, prelude: str = "", **kw):
+    return _kernel_for(name, prelude, kw["inputs"], kw["output_dtypes"])(**kw)
 
 
 def _launch_bounds(threads: int, min_blocks: int) -> str:
@@ -662,28 +680,41 @@ def fused_step_enabled() -> bool:
     return v not in ("0", "off", "false")
 
 
+def _fused_max_window(queries: mx.array, window_values: mx.array, cache) -> int:
+    """The longest window the one-launch step takes for these queries and
+    this cache, or 0 where it does not apply at all (switched off, not the
+    tc8 kernel, rotations that are not Walsh-Hadamard butterflies, a value
+    head dim unlike the key's).  The window's scores share the kernel's
+    reduction area: ``R * (D + W) + 24 <= NW * 8 * (D + 2)`` words."""
+    if not fused_step_enabled():
+        return 0
+    B, H_q, L, D = queries.shape
+    H_kv = window_values.shape[1]
+    R = (H_q // H_kv) * L
+    if window_values.shape[-1] != D or decode_kernel(D, cache.keys_norms.shape[2], R) != "tc8":
+        return 0
+    rot, vrot = cache.rotation, _value_rotation(cache)
+    if not (getattr(rot, "is_walsh_hadamard", False) and getattr(vrot, "is_walsh_hadamard", False)):
+        return 0
+    nw = tc8_config(D, R, B * H_kv, 1, cache.key_codec.bits, cache.value_codec.bits, window=True)["NW"]
+    return max(0, (nw * 8 * (D + 2) - 24) // R - D)
+
+
 def fused_step_config(queries: mx.array, window_keys: mx.array, window_values: mx.array,
                       cache, window_mask) -> Optional[dict]:
     """The launch configuration of ``tq_decode_tc8_fused`` for this decode
     step, or None where it does not apply.  It covers: the tc8 kernel (CUDA,
     head dim 64/128, <= 8 query rows per kv head), no mask over the window,
     Walsh-Hadamard rotations (power-of-two head dim), a non-empty window
-    whose scores fit the kernel's shared memory."""
-    if window_mask is not None or not fused_step_enabled():
+    whose scores fit the kernel's shared memory (:func:`_fused_max_window`)."""
+    if window_mask is not None:
+        return None
+    if not 1 <= window_keys.shape[2] <= _fused_max_window(queries, window_values, cache):
         return None
     B, H_q, L, D = queries.shape
-    H_kv, W = window_keys.shape[1], window_keys.shape[2]
-    R = (H_q // H_kv) * L
-    if W < 1 or window_values.shape[-1] != D or decode_kernel(D, cache.keys_norms.shape[2], R) != "tc8":
-        return None
-    rot, vrot = cache.rotation, _value_rotation(cache)
-    if not (getattr(rot, "is_walsh_hadamard", False) and getattr(vrot, "is_walsh_hadamard", False)):
-        return None
-    cfg = tc8_config(D, R, B * H_kv, cache.packed_len, cache.key_codec.bits, cache.value_codec.bits,
-                     window=True)
-    if R * (D + W) + 24 > cfg["NW"] * 8 * (D + 2):  # window scores beyond the kernel's reduction area
-        return None
-    return cfg
+    H_kv = window_keys.shape[1]
+    return tc8_config(D, (H_q // H_kv) * L, B * H_kv, cache.packed_len, cache.key_codec.bits,
+                      cache.value_codec.bits, window=True)
 
 
 def fused_step_supported(queries: mx.array, window_keys: mx.array, window_values: mx.array,
@@ -695,10 +726,9 @@ def fused_step_supported(queries: mx.array, window_keys: mx.array, window_values
 _NO_MEAN = None
 
 
-def _mean_or_zero(cache, name: str):
-    """(array, present): the cache's mean as float32, or a 1-element dummy."""
+def _mean_or_zero(m: Optional[mx.array]):
+    """(array, present): a cache mean as float32, or a 1-element dummy."""
     global _NO_MEAN
-    m = getattr(cache, name, None)
     if m is not None:
         return _f32(m), 1
     if _NO_MEAN is None:
@@ -710,6 +740,142 @@ def _float_bits(x: float) -> int:
     return struct.unpack("<i", struct.pack("<f", float(x)))[0]
 
 
+class _StepPlan:
+    """What a one-launch decode step is launched with that stays fixed while
+    a cache decodes -- the kernel object (its dtype-tagged name), the pair
+    tables, the rotation signs, the template and launch width, the longest
+    window it takes -- so that a step only redoes what moves: the split
+    layout of the packed length, the meta array and the split counters.
+
+    Why: the decisions behind a step (settings, kernel choice, rotation
+    type, tables, launch shape) cost ~20 us of Python per call on a slow
+    host, against ~30 us for the whole step on the GPU at 32k tokens; the
+    plan is built once by the same checks (:func:`fused_step_config`) and
+    found again by a key of everything those checks read except the packed
+    length and the window length, which are checked per step.
+    """
+
+    __slots__ = ("kernel", "tables", "signs", "vsigns", "env", "dims", "max_w", "bh", "grid_yz",
+                 "tg", "out_shape", "out_dtype", "scale_bits", "means", "per_n", "keep")
+
+    def __init__(self, queries, window_keys, window_values, cache, scale, max_w: int):
+        B, H_q, L, D = queries.shape
+        H_kv = window_keys.shape[1]
+        R = (H_q // H_kv) * L
+        kc, vc = cache.key_codec, cache.value_codec
+        self.env = _tc8_env()
+        self.dims = (D, R, B * H_kv, kc.bits, vc.bits)
+        cfg = _tc8_config(D, R, B * H_kv, 1, kc.bits, vc.bits, True, self.env)
+        vrot = _value_rotation(cache)
+        self.tables = _tc8_tables(_centroids(kc), kc.bits, _centroids(vc), vc.bits, cfg)
+        self.signs, self.vsigns = cache.rotation.signs, vrot.signs
+        self.max_w, self.bh = max_w, B * H_kv
+        self.grid_yz, self.tg = (H_kv, B), (cfg["NW"] * 32, 1, 1)
+        self.out_shape, self.out_dtype = (B, H_q, L, D), queries.dtype
+        self.scale_bits = _float_bits(scale)
+        self.means = {}  # mean array (by identity) -> (float32 array, present)
+        self.per_n = {}  # packed length -> (template-free launch numbers)
+        self.keep = (kc, vc, vrot)  # their ids are part of the plan's key
+        m0 = mx.zeros((1,), mx.float32)  # stand-ins: only the dtypes name the kernel
+        probe = [queries, cache.keys_packed, cache.keys_norms, cache.values_packed, cache.values_norms,
+                 *self.tables, _meta(0), window_keys, window_values, self.signs, self.vsigns, m0, m0,
+                 mx.zeros((1,), mx.uint32)]
+        self.kernel = (_kernel_for("tq_decode_tc8_fused", cfg["PRELUDE"], probe,
+                                   [mx.float32, queries.dtype]), cfg["TEMPLATE"])
+
+    def _mean(self, m):
+        hit = self.means.get(id(m))
+        if hit is None or hit[0] is not m:
+            if len(self.means) > 8:
+                self.means.clear()
+            hit = self.means[id(m)] = (m, *_mean_or_zero(m))
+        return hit[1], hit[2]
+
+    def launch(self, queries, window_keys, window_values, cache, n: int) -> mx.array:
+        W = window_keys.shape[2]
+        per = self.per_n.get(n)
+        if per is None:
+            D, R, BH, kb, vb = self.dims
+            cfg = _tc8_config(D, R, BH, n, kb, vb, True, self.env)
+            if len(self.per_n) > 64:
+                self.per_n.clear()
+            per = self.per_n[n] = (
+                (n, cache.keys_packed.shape[2], cfg["TOKS"], self.grid_yz[0], cfg["SLOTS"], R, 0, 0,
+                 cfg["OFF_PO"], cfg["OFF_PM"], cfg["OFF_PL"]),
+                (cfg["GRID_X"], *self.grid_yz), cfg["WS"])
+        head, grid, ws = per
+        km, has_km = self._mean(getattr(cache, "key_mean", None))
+        vm, has_vm = self._mean(getattr(cache, "value_mean", None))
+        kernel, template = self.kernel
+        _, out = kernel(
+            inputs=[queries, cache.keys_packed, cache.keys_norms, cache.values_packed, cache.values_norms,
+                    *self.tables, _meta(*head, W, self.scale_bits, has_km, has_vm), window_keys,
+                    window_values, self.signs, self.vsigns, km, vm,
+                    mx.zeros((self.bh,), mx.uint32)],  # split counters (the kernel resets them)
+            template=template, grid=grid, threadgroup=self.tg,
+            output_shapes=[(ws,), self.out_shape], output_dtypes=[mx.float32, self.out_dtype],
+        )  # no init_value: the kernel writes every element before reading it
+        return out
+
+
+# Settings read by the decode dispatch; a plan is only found again under the
+# same values (and the module switches below).
+_PLAN_ENV = ("TQ_KERNELS", "TQ_DECODE_IMPL", "TQ_DECODE_FUSED", "TQ_TC8_NW", "TQ_TC8_BLOCKS",
+             "TQ_TC8_PF", "TQ_TC8_VC32", "TQ_TC8_MINBLOCKS", "TQ_TC8_L2PF")
+_PLAN_ENV_KEYS = tuple(n.encode() for n in _PLAN_ENV)
+_PLANS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # rotation -> {key: plan | None}
+
+
+def _plan_key(queries, window_keys, window_values, cache, scale) -> tuple:
+    env = (tuple(map(_ENV_DATA.get, _PLAN_ENV_KEYS)) if _ENV_DATA is not None
+           else tuple(os.environ.get(n) for n in _PLAN_ENV))
+    wk, wv = window_keys.shape, window_values.shape
+    return (queries.shape, queries.dtype, wk[0], wk[1], wk[3], window_keys.dtype, wv[3],
+            window_values.dtype, cache.keys_packed.shape, cache.values_packed.shape,
+            cache.keys_norms.dtype, cache.values_norms.dtype, id(cache.key_codec),
+            id(cache.value_codec), id(_value_rotation(cache)), scale, mx.default_device() == mx.gpu, env,
+            FUSED_STEP_BY_DEFAULT, TC8_BY_DEFAULT, TC8_L2PF)
+
+
+def _build_plan(queries, window_keys, window_values, cache, scale) -> Optional[_StepPlan]:
+    """The plan for this step's shapes, or None where the one-launch step
+    does not apply for reasons that do not change from step to step (the
+    checks of :func:`turboquant_attention` and :func:`fused_step_config`
+    other than the packed length and the window length)."""
+    if not (use_kernels() and _kernel_shape_supported(queries, window_keys, cache)):
+        return None
+    max_w = _fused_max_window(queries, window_values, cache)
+    return _StepPlan(queries, window_keys, window_values, cache, scale, max_w) if max_w >= 1 else None
+
+
+def _step_plan(queries, window_keys, window_values, cache, scale) -> Optional[_StepPlan]:
+    """The cached plan for this step (built on first use), or None."""
+    key = _plan_key(queries, window_keys, window_values, cache, scale)
+    try:
+        plans = _PLANS.get(cache.rotation)
+        if plans is None:
+            plans = _PLANS[cache.rotation] = {}
+    except TypeError:  # a rotation without weak references: no caching
+        return _build_plan(queries, window_keys, window_values, cache, scale)
+    if key in plans:
+        return plans[key]
+    if len(plans) > 32:
+        plans.clear()
+    plan = plans[key] = _build_plan(queries, window_keys, window_values, cache, scale)
+    return plan
+
+
+def _planned_step(queries, window_keys, window_values, cache, scale) -> Optional[mx.array]:
+    """A decode step through its cached plan, or None where the one-launch
+    step does not cover it (then the general dispatch runs, and decides the
+    same way: the plan encodes its decision)."""
+    plan = _step_plan(queries, window_keys, window_values, cache, scale)
+    n = cache.packed_len
+    if plan is None or n <= 0 or not 1 <= window_keys.shape[2] <= plan.max_w:
+        return None
+    return plan.launch(queries, window_keys, window_values, cache, n)
+
+
 def decode_step(queries: mx.array, window_keys: mx.array, window_values: mx.array, cache,
                 scale: float, cfg: Optional[dict] = None) -> mx.array:
     """The whole decode attention step in one launch (``tq_decode_tc8_fused``).
@@ -719,30 +885,15 @@ def decode_step(queries: mx.array, window_keys: mx.array, window_values: mx.arra
     inverse rotation), but the rotations, the window and the merge run inside
     the split-K kernel: one launch and one graph node per layer instead of
     ~20, which at 8k-128k tokens cost more than the attention itself.
-    Callers check :func:`fused_step_config` first (and may pass its result).
+    Callers check :func:`fused_step_config` first (``cfg``, its result, is
+    accepted for that reason and otherwise unused: the launch comes from the
+    step's cached :class:`_StepPlan`).
     """
-    B, H_q, L, D = queries.shape
-    H_kv, W = window_keys.shape[1], window_keys.shape[2]
-    R = (H_q // H_kv) * L
-    kc, vc = cache.key_codec, cache.value_codec
-    n = cache.packed_len
-    if cfg is None:
-        cfg = tc8_config(D, R, B * H_kv, n, kc.bits, vc.bits, window=True)
-    km, has_km = _mean_or_zero(cache, "key_mean")
-    vm, has_vm = _mean_or_zero(cache, "value_mean")
-    meta = _meta(n, cache.keys_packed.shape[2], cfg["TOKS"], H_kv, cfg["SLOTS"], R, 0, 0,
-                 cfg["OFF_PO"], cfg["OFF_PM"], cfg["OFF_PL"], W, _float_bits(scale), has_km, has_vm)
-    tables = _tc8_tables(_centroids(kc), kc.bits, _centroids(vc), vc.bits, cfg)
-    _, out = _launch(
-        "tq_decode_tc8_fused", prelude=cfg["PRELUDE"],
-        inputs=[queries, cache.keys_packed, cache.keys_norms, cache.values_packed, cache.values_norms,
-                *tables, meta, window_keys, window_values, cache.rotation.signs,
-                _value_rotation(cache).signs, km, vm,
-                mx.zeros((B * H_kv,), mx.uint32)],  # split counters (the kernel resets them)
-        template=cfg["TEMPLATE"], grid=(cfg["GRID_X"], H_kv, B), threadgroup=(cfg["NW"] * 32, 1, 1),
-        output_shapes=[(cfg["WS"],), (B, H_q, L, D)], output_dtypes=[mx.float32, queries.dtype],
-    )  # no init_value: the kernel writes every element before reading it
-    return out
+    plan = _step_plan(queries, window_keys, window_values, cache, scale)
+    if plan is None or not 1 <= window_keys.shape[2] <= plan.max_w:
+        raise ValueError("decode_step: the one-launch step does not cover this call "
+                         "(check fused_step_config first)")
+    return plan.launch(queries, window_keys, window_values, cache, cache.packed_len)
 
 
 def _decode_attention(queries, window_keys, window_values, cache, scale, window_mask):
@@ -847,17 +998,21 @@ def _prefill_attention(queries, window_keys, window_values, cache, scale, mask):
     return vrot.inverse(out).astype(dtype)
 
 
-def kernel_supported(queries: mx.array, window_keys: mx.array, cache) -> bool:
-    """Whether the kernels cover this call (else the reference path runs)."""
+def _kernel_shape_supported(queries: mx.array, window_keys: mx.array, cache) -> bool:
+    """:func:`kernel_supported` without the packed length (which changes per step)."""
     D = queries.shape[-1]
     return (
-        cache.packed_len > 0
-        and window_keys.shape[-1] == D
+        window_keys.shape[-1] == D
         and D in (64, 128, 256)
         and getattr(cache.key_codec, "dim", D) == D
         and getattr(cache.key_codec, "quantizer", "scalar") == "scalar"  # kernels decode
         and getattr(cache.value_codec, "quantizer", "scalar") == "scalar"  # scalar codes only
     )
+
+
+def kernel_supported(queries: mx.array, window_keys: mx.array, cache) -> bool:
+    """Whether the kernels cover this call (else the reference path runs)."""
+    return cache.packed_len > 0 and _kernel_shape_supported(queries, window_keys, cache)
 
 
 def prefill_rows() -> int:
@@ -901,6 +1056,10 @@ def turboquant_attention(
     off (``TQ_KERNELS``), there is no packed history, or the shape is not
     covered.
     """
+    if mask is None and sinks is None and backend() == "cuda":
+        out = _planned_step(queries, window_keys, window_values, cache, scale)
+        if out is not None:  # the one-launch decode step (CUDA)
+            return out
     from . import attention
 
     if sinks is not None or not use_kernels() or not kernel_supported(queries, window_keys, cache):
