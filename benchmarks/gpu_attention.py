@@ -265,21 +265,25 @@ def bench_step_variants(n, results, blocks_list=(132, 198, 264), vc32_list=(0, 1
         os.environ.pop(key, None)
 
 
-class _ReusedCounters:
-    """``mx`` for turboquant.kernels with ``zeros`` handing out one array per
-    shape: the one-launch step's split counters without the fill node per
-    call.  Only for measuring what that node costs -- correct here because
-    every call in a batch reads another cache copy (another plan), but not in
-    general (two launches sharing counters may run side by side)."""
+class _CounterSource:
+    """``mx`` for turboquant.kernels with ``zeros`` replaced, to measure what
+    the one-launch step's split counters cost per call: "reused" hands out
+    one array per shape (no fill node; correct here only because every call
+    in a batch reads another cache copy -- two launches sharing counters may
+    run side by side), "host" builds them from Python zeros (no fill node,
+    host-written managed memory)."""
 
-    def __init__(self):
-        self._z = {}
+    def __init__(self, mode: str):
+        self.mode, self._z = mode, {}
 
     def __getattr__(self, name):
         return getattr(mx, name)
 
     def zeros(self, shape, dtype=mx.float32):
-        key = (tuple(shape), dtype)
+        shape = tuple(shape) if isinstance(shape, (tuple, list)) else (shape,)
+        if self.mode == "host":
+            return mx.array([0] * math.prod(shape), dtype=dtype).reshape(shape)
+        key = (shape, dtype)
         if key not in self._z:
             self._z[key] = mx.zeros(shape, dtype)
             mx.eval(self._z[key])
@@ -288,26 +292,26 @@ class _ReusedCounters:
 
 def bench_counter_node(n, results):
     """Whole decode step with a fresh zeroed counter array per call (the
-    default: one fill node + the kernel) vs one reused array (the kernel
-    alone): what the extra graph node costs per call."""
+    default: one fill node + the kernel), with one reused array (the kernel
+    alone) and with host-built zeros: what the counters cost per call."""
     q = mx.random.normal((1, HQ, 1, D)).astype(mx.float16)
     wk = mx.random.normal((1, HKV, 128, D)).astype(mx.float16)
     cs = [tq_cache(n, 3.5, seed=i) for i in range(copies_for(tq_cache_bytes(n, 3.5)))]
     os.environ["TQ_DECODE_FUSED"] = "1"
     out = {}
-    print(f"\n== split counters at {n} tokens: fresh zeros per call vs one reused array (ms per call)")
+    print(f"\n== split counters at {n} tokens: fill node per call vs reused vs host-built (ms per call)")
     for batch in (max(8, copies_for(tq_cache_bytes(n, 2.5))), 128):
-        for name in ("fresh", "reused"):
+        for name in ("fresh", "reused", "host"):
             saved = kernels.mx
-            if name == "reused":
-                kernels.mx = _ReusedCounters()
+            if name != "fresh":
+                kernels.mx = _CounterSource(name)
             try:
                 t = timeit([lambda c=c: kernels.turboquant_attention(q, wk, wk, c, SCALE, None) for c in cs],
                            batch=batch)
             finally:
                 kernels.mx = saved
             out[f"{name}/{batch}"] = t
-        print(f"  batch {batch:>4}: fresh {out[f'fresh/{batch}'] * 1e3:.4f}  reused {out[f'reused/{batch}'] * 1e3:.4f}")
+        print(f"  batch {batch:>4}: " + "  ".join(f"{m} {out[f'{m}/{batch}'] * 1e3:.4f}" for m in ("fresh", "reused", "host")))
     os.environ.pop("TQ_DECODE_FUSED")
     results.setdefault("counter_node", {})[n] = out
 
