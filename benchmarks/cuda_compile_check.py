@@ -24,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from turboquant.kernels import _SIGNATURES, kernel_source  # noqa: E402
+from turboquant.kernels import _SIGNATURES, compact_source, kernel_source  # noqa: E402
 
 _CUDA_TYPES = {"float32": "float", "float16": "__half", "bfloat16": "__nv_bfloat16",
                "uint32": "uint32_t", "int32": "int32_t"}
@@ -42,7 +42,7 @@ _MLX_DEFAULT_HEADER = """
 def mlx_cuda_source(name: str, in_types: list[str], out_types: list[str],
                     template: list[tuple[str, object]]) -> str:
     """The translation unit ``mx.fast.cuda_kernel`` builds (MLX 0.32 build_kernel)."""
-    header, body = kernel_source(name, "cuda")
+    header, body = (compact_source(x) for x in kernel_source(name, "cuda"))  # as _kernel passes them
     inputs, outputs = _SIGNATURES[name]
     src = _MLX_DEFAULT_HEADER + header
     src += "namespace mlx::core::cu {\n\nnamespace cg = cooperative_groups;\n\n"

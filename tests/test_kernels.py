@@ -265,6 +265,7 @@ def test_decode_step_plan(fake_cuda, monkeypatch):
     means and fresh split counters, and a changed setting builds a new plan."""
     monkeypatch.setenv("TQ_KERNELS", "gpu")
     monkeypatch.setenv("TQ_DECODE_FUSED", "1")
+    monkeypatch.setenv("TQ_DECODE_COMPILE", "0")  # every launch reaches the recorder
     monkeypatch.delenv("TQ_TC8_NW", raising=False)
     monkeypatch.setattr(kernels, "quantize_any", _codec_quantize)
     cache = _filled_cache(3.5, 128, 2, 300)  # window 16: flushes every few steps
@@ -313,6 +314,56 @@ def test_decode_step_plan(fake_cuda, monkeypatch):
     name, call = log[-1]
     assert name.startswith("tq_decode_tc8_fused") and name not in (fused.name, log[-2][0])
     assert call["output_shapes"][1] == (1, 8, 1, 128) and call["output_dtypes"][1] == mx.float32
+
+
+def test_compiled_step_launch_passes_each_steps_data(monkeypatch):
+    """Through mx.compile, each step must still hand the kernel its own
+    queries, packed arrays, meta (packed and window length), window and
+    means: nothing traced once may stand in for them.  The stand-in kernel
+    computes from all of those, and the compiled launches must equal the
+    direct ones step by step."""
+    log = []
+
+    class Mixing:
+        def __init__(self, name):
+            self.name = name
+
+        def __call__(self, **kw):
+            log.append(kw["template"])
+            q, kp, kn, vp, vn, kt, vt, meta, wk, wv, sg, vsg, km, vm, cnt = kw["inputs"]
+            s = (meta.astype(mx.float32) * mx.arange(1, meta.size + 1)).sum() + wk.astype(mx.float32).sum()
+            s = s + 0.5 * wv.astype(mx.float32).sum() + km.sum() - vm.sum() + kp[..., 0].sum().astype(mx.float32)
+            s = s + kn.astype(mx.float32).sum() + cnt.astype(mx.float32).sum()
+            out = (q.astype(mx.float32) * 0.25 + s * 1e-3).astype(kw["output_dtypes"][1])
+            return [mx.zeros(kw["output_shapes"][0], mx.float32), out]
+
+    monkeypatch.setattr(kernels, "backend", lambda: "cuda")
+    monkeypatch.setattr(mx.fast, "cuda_kernel", lambda name, **kw: Mixing(name))
+    kernels._kernel.cache_clear()
+    kernels._PLANS.clear()
+    try:
+        monkeypatch.setenv("TQ_KERNELS", "gpu")
+        monkeypatch.setenv("TQ_DECODE_FUSED", "1")
+        monkeypatch.setattr(kernels, "quantize_any", _codec_quantize)
+        cache = _filled_cache(3.5, 128, 2, 300)
+        q = mx.random.normal((1, 8, 1, 128)).astype(mx.float16)
+        for step in range(14):
+            k = mx.random.normal((1, 2, 1, 128)).astype(mx.float16)
+            wk, wv = cache.update_and_fetch(k, k * 0.5)
+            if step == 9:
+                cache.key_mean = cache.key_mean + 1.0
+            outs = []
+            for flag in ("1", "0"):
+                monkeypatch.setenv("TQ_DECODE_COMPILE", flag)
+                outs.append(kernels.turboquant_attention(q * (step + 1), wk, wv, cache, 0.1, None))
+            assert np.array_equal(np.asarray(outs[0]), np.asarray(outs[1])), step
+        traced = len(log)
+        monkeypatch.setenv("TQ_DECODE_COMPILE", "1")
+        mx.eval(kernels.turboquant_attention(q * 2, wk, wv, cache, 0.1, None))
+        assert len(log) == traced  # the same shapes again: replayed, not traced
+    finally:
+        kernels._kernel.cache_clear()
+        kernels._PLANS.clear()
 
 
 def test_tc8_value_table_copies_follow_the_widths(monkeypatch):

@@ -37,6 +37,7 @@ from __future__ import annotations
 import hashlib
 import math
 import os
+import re
 import struct
 import weakref
 from functools import lru_cache
@@ -158,10 +159,22 @@ def kernel_source(name: str, be: str) -> tuple[str, str]:
     return header, body
 
 
+_COMMENT = re.compile(r'("(?:\\.|[^"\\\n])*")|/\*.*?\*/|//[^\n]*', re.S)
+
+
+def compact_source(src: str) -> str:
+    """``src`` without comments, trailing spaces and blank lines (string
+    literals kept).  MLX re-assembles a custom kernel's whole source on every
+    call, so the ~30% of the sources that is comments is host time per
+    launch."""
+    src = _COMMENT.sub(lambda m: m.group(1) or " ", src)
+    return "\n".join(line.rstrip() for line in src.split("\n") if line.strip()) + "\n"
+
+
 @lru_cache(maxsize=None)
 def _kernel(name: str, be: str, prelude: str = "", dtypes: str = ""):
     header, body = kernel_source(name, be)
-    header = header + prelude
+    header, body = compact_source(header + prelude), compact_source(body)
     inputs, outputs = _SIGNATURES[name]
     # MLX caches compiled modules (in memory, and on disk for CUDA) by kernel
     # name + template arguments only, not by the generated signature's
@@ -753,10 +766,18 @@ class _StepPlan:
     plan is built once by the same checks (:func:`fused_step_config`) and
     found again by a key of everything those checks read except the packed
     length and the window length, which are checked per step.
+
+    The launch itself goes through ``mx.compile`` (``TQ_DECODE_COMPILE``,
+    default on), one compiled launcher per split layout: MLX's
+    ``cuda_kernel`` call converts every argument and re-assembles the whole
+    kernel source on each call (~10 us on the H200's host), a compiled
+    function replays its recorded launch.  A launcher is traced again for
+    each new input shape (the window grows by one token per step, so the
+    first pass through the window's lengths traces each once).
     """
 
     __slots__ = ("kernel", "tables", "signs", "vsigns", "env", "dims", "max_w", "bh", "grid_yz",
-                 "tg", "out_shape", "out_dtype", "scale_bits", "means", "per_n", "keep")
+                 "tg", "out_shape", "out_dtype", "scale_bits", "means", "per_n", "launchers", "keep")
 
     def __init__(self, queries, window_keys, window_values, cache, scale, max_w: int):
         B, H_q, L, D = queries.shape
@@ -774,7 +795,8 @@ class _StepPlan:
         self.out_shape, self.out_dtype = (B, H_q, L, D), queries.dtype
         self.scale_bits = _float_bits(scale)
         self.means = {}  # mean array (by identity) -> (float32 array, present)
-        self.per_n = {}  # packed length -> (template-free launch numbers)
+        self.per_n = {}  # packed length -> (meta head, launcher)
+        self.launchers = {}  # split slots -> launcher
         self.keep = (kc, vc, vrot)  # their ids are part of the plan's key
         m0 = mx.zeros((1,), mx.float32)  # stand-ins: only the dtypes name the kernel
         probe = [queries, cache.keys_packed, cache.keys_norms, cache.values_packed, cache.values_norms,
@@ -791,37 +813,58 @@ class _StepPlan:
             hit = self.means[id(m)] = (m, *_mean_or_zero(m))
         return hit[1], hit[2]
 
+    def _launcher(self, slots: int, grid_x: int, ws: int):
+        """f(q, kp, kn, vp, vn, meta, wk, wv, km, vm) -> out for one split
+        layout (grid and workspace size follow the slot count; the rest of
+        the layout travels in meta)."""
+        fn = self.launchers.get(slots)
+        if fn is not None:
+            return fn
+        kernel, template = self.kernel
+        ktab, vtab = self.tables
+        signs, vsigns, bh = self.signs, self.vsigns, self.bh
+        grid, tg = (grid_x, *self.grid_yz), self.tg
+        shapes, dtypes = [(ws,), self.out_shape], [mx.float32, self.out_dtype]
+
+        def launch(q, kp, kn, vp, vn, meta, wk, wv, km, vm):
+            return kernel(
+                inputs=[q, kp, kn, vp, vn, ktab, vtab, meta, wk, wv, signs, vsigns, km, vm,
+                        mx.zeros((bh,), mx.uint32)],  # split counters (the kernel resets them)
+                template=template, grid=grid, threadgroup=tg, output_shapes=shapes,
+                output_dtypes=dtypes,
+            )[1]  # no init_value: the kernel writes every element before reading it
+
+        fn = self.launchers[slots] = mx.compile(launch) if compile_enabled() else launch
+        return fn
+
     def launch(self, queries, window_keys, window_values, cache, n: int) -> mx.array:
-        W = window_keys.shape[2]
         per = self.per_n.get(n)
         if per is None:
             D, R, BH, kb, vb = self.dims
             cfg = _tc8_config(D, R, BH, n, kb, vb, True, self.env)
             if len(self.per_n) > 64:
                 self.per_n.clear()
-            per = self.per_n[n] = (
-                (n, cache.keys_packed.shape[2], cfg["TOKS"], self.grid_yz[0], cfg["SLOTS"], R, 0, 0,
-                 cfg["OFF_PO"], cfg["OFF_PM"], cfg["OFF_PL"]),
-                (cfg["GRID_X"], *self.grid_yz), cfg["WS"])
-        head, grid, ws = per
+            head = (n, cache.keys_packed.shape[2], cfg["TOKS"], self.grid_yz[0], cfg["SLOTS"], R, 0, 0,
+                    cfg["OFF_PO"], cfg["OFF_PM"], cfg["OFF_PL"])
+            per = self.per_n[n] = (head, self._launcher(cfg["SLOTS"], cfg["GRID_X"], cfg["WS"]))
+        head, fn = per
         km, has_km = self._mean(getattr(cache, "key_mean", None))
         vm, has_vm = self._mean(getattr(cache, "value_mean", None))
-        kernel, template = self.kernel
-        _, out = kernel(
-            inputs=[queries, cache.keys_packed, cache.keys_norms, cache.values_packed, cache.values_norms,
-                    *self.tables, _meta(*head, W, self.scale_bits, has_km, has_vm), window_keys,
-                    window_values, self.signs, self.vsigns, km, vm,
-                    mx.zeros((self.bh,), mx.uint32)],  # split counters (the kernel resets them)
-            template=template, grid=grid, threadgroup=self.tg,
-            output_shapes=[(ws,), self.out_shape], output_dtypes=[mx.float32, self.out_dtype],
-        )  # no init_value: the kernel writes every element before reading it
-        return out
+        meta = _meta(*head, window_keys.shape[2], self.scale_bits, has_km, has_vm)
+        return fn(queries, cache.keys_packed, cache.keys_norms, cache.values_packed, cache.values_norms,
+                  meta, window_keys, window_values, km, vm)
+
+
+def compile_enabled() -> bool:
+    """``TQ_DECODE_COMPILE`` (default on): launch the one-launch decode step
+    through ``mx.compile`` (see :class:`_StepPlan`)."""
+    return getenv("TQ_DECODE_COMPILE", "1").strip().lower() not in ("0", "off", "false")
 
 
 # Settings read by the decode dispatch; a plan is only found again under the
 # same values (and the module switches below).
-_PLAN_ENV = ("TQ_KERNELS", "TQ_DECODE_IMPL", "TQ_DECODE_FUSED", "TQ_TC8_NW", "TQ_TC8_BLOCKS",
-             "TQ_TC8_PF", "TQ_TC8_VC32", "TQ_TC8_MINBLOCKS", "TQ_TC8_L2PF")
+_PLAN_ENV = ("TQ_KERNELS", "TQ_DECODE_IMPL", "TQ_DECODE_FUSED", "TQ_DECODE_COMPILE", "TQ_TC8_NW",
+             "TQ_TC8_BLOCKS", "TQ_TC8_PF", "TQ_TC8_VC32", "TQ_TC8_MINBLOCKS", "TQ_TC8_L2PF")
 _PLAN_ENV_KEYS = tuple(n.encode() for n in _PLAN_ENV)
 _PLANS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # rotation -> {key: plan | None}
 
