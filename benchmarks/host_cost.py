@@ -6,16 +6,16 @@ Builds (without evaluating) one decode step many times and prints the
 microseconds per call of each part: fp16 SDPA's graph build for scale, the
 split counters (a fill node vs host-built zeros), the plan lookup, the
 Python of the launch, MLX's ``cuda_kernel`` call with prebuilt arguments
-(with the kernel source as shipped and with its comments stripped), and the
-whole ``turboquant_attention`` call; then a profile of the whole call.
+and the compiled launcher's replay, and the whole ``turboquant_attention``
+call with each; then a profile of the whole (compiled) call.
 """
 
 from __future__ import annotations
 
 import argparse
 import cProfile
+import os
 import pstats
-import re
 import sys
 import time
 from pathlib import Path
@@ -42,12 +42,6 @@ def per_call(fn, n: int = 3000) -> float:
     return best * 1e6
 
 
-def strip_comments(src: str) -> str:
-    src = re.sub(r"/\*.*?\*/", "", src, flags=re.S)
-    src = re.sub(r"//[^\n]*", "", src)
-    return re.sub(r"\n\s*\n+", "\n", src)
-
-
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", default="32k")
@@ -58,8 +52,12 @@ def main() -> int:
     k, v = ga.fp16_cache(n)
     c = ga.tq_cache(n, 3.5)
     step = lambda: kernels.turboquant_attention(q, wk, wk, c, ga.SCALE, None)  # noqa: E731
+    os.environ["TQ_DECODE_COMPILE"] = "1"
     ref = step()
     mx.eval(ref)
+    compiled_step = per_call(step)
+    os.environ["TQ_DECODE_COMPILE"] = "0"  # direct launches: capture one call's arguments
+    mx.eval(step())
     plan = kernels._step_plan(q, wk, wk, c, ga.SCALE)
     captured = {}
     kern, template = plan.kernel
@@ -68,11 +66,22 @@ def main() -> int:
         captured.update(kw)
         return kern(**kw)
 
-    plan.kernel = (capture, template)
+    def reset(k):
+        plan.kernel = (k, template)
+        plan.launchers.clear()
+        plan.per_n.clear()
+
+    reset(capture)
     step()
-    plan.kernel = (lambda **kw: (None, None), template)
+    reset(lambda **kw: (None, None))
     python_launch = per_call(lambda: plan.launch(q, wk, wk, c, n))
-    plan.kernel = (kern, template)
+    reset(kern)
+    direct_step = per_call(step)
+    os.environ["TQ_DECODE_COMPILE"] = "1"
+    cplan = kernels._step_plan(q, wk, wk, c, ga.SCALE)
+    head, launcher = next(iter(cplan.per_n.values()))
+    args = captured["inputs"]
+    largs = (args[0], args[1], args[2], args[3], args[4], args[7], args[8], args[9], args[12], args[13])
     rows = {
         "fp16 sdpa call": per_call(lambda: mx.fast.scaled_dot_product_attention(q, k, v, scale=ga.SCALE)),
         "mx.zeros counters (fill node)": per_call(lambda: mx.zeros((8,), mx.uint32)),
@@ -80,19 +89,13 @@ def main() -> int:
         "plan lookup": per_call(lambda: kernels._step_plan(q, wk, wk, c, ga.SCALE)),
         "launch Python, kernel call stubbed": python_launch,
         "cuda_kernel call, prebuilt args": per_call(lambda: kern(**captured)),
+        "compiled launcher call": per_call(lambda: launcher(*largs)),
     }
     header, body = kernels.kernel_source("tq_decode_tc8_fused", "cuda")
-    header += plan_prelude(plan)
-    small = mx.fast.cuda_kernel(name="tq_host_cost_stripped", input_names=kernels._SIGNATURES["tq_decode_tc8_fused"][0],
-                                output_names=kernels._SIGNATURES["tq_decode_tc8_fused"][1],
-                                source=strip_comments(body), header=strip_comments(header))
-    print(f"source: {len(header) + len(body)} chars as shipped, "
-          f"{len(strip_comments(header)) + len(strip_comments(body))} without comments")
-    out_small = small(**captured)[1]
-    mx.eval(out_small)
-    print(f"stripped kernel max |diff| vs shipped: {mx.abs(out_small.astype(mx.float32) - ref.astype(mx.float32)).max().item():.3g}")
-    rows["cuda_kernel call, comments stripped"] = per_call(lambda: small(**captured))
-    rows["whole step (turboquant_attention)"] = per_call(step)
+    print(f"kernel source: {len(header) + len(body)} chars in metal/, "
+          f"{len(kernels.compact_source(header)) + len(kernels.compact_source(body))} as handed to MLX")
+    rows["whole step, direct launch"] = direct_step
+    rows["whole step, compiled launch (default)"] = compiled_step
     print(f"\n== host time per call, {n} tokens, no evaluation (us)")
     for name, t in rows.items():
         print(f"  {name:<40} {t:7.2f}")
@@ -103,11 +106,6 @@ def main() -> int:
     prof.disable()
     pstats.Stats(prof).sort_stats("tottime").print_stats(12)
     return 0
-
-
-def plan_prelude(plan) -> str:
-    cfg = kernels._tc8_config(*plan.dims[:3], 1, *plan.dims[3:], True, plan.env)
-    return cfg["PRELUDE"]
 
 
 if __name__ == "__main__":
