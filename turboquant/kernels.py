@@ -768,12 +768,14 @@ class _StepPlan:
     length and the window length, which are checked per step.
 
     The launch itself goes through ``mx.compile`` (``TQ_DECODE_COMPILE``,
-    default on), one compiled launcher per split layout: MLX's
+    default on), one compiled launcher per split layout and window length:
+    MLX's
     ``cuda_kernel`` call converts every argument and re-assembles the whole
     kernel source on each call (~10 us on the H200's host), a compiled
-    function replays its recorded launch.  A launcher is traced again for
-    each new input shape (the window grows by one token per step, so the
-    first pass through the window's lengths traces each once).
+    function replays its recorded launch.  A launcher is traced once per
+    window length (the window grows by one token per step, so the first
+    pass through the window's lengths traces each once) and again only if
+    another input's shape changes (the cache's storage grows).
     """
 
     __slots__ = ("kernel", "tables", "signs", "vsigns", "env", "dims", "max_w", "bh", "grid_yz",
@@ -795,8 +797,8 @@ class _StepPlan:
         self.out_shape, self.out_dtype = (B, H_q, L, D), queries.dtype
         self.scale_bits = _float_bits(scale)
         self.means = {}  # mean array (by identity) -> (float32 array, present)
-        self.per_n = {}  # packed length -> (meta head, launcher)
-        self.launchers = {}  # split slots -> launcher
+        self.per_n = {}  # packed length -> (meta head, (slots, grid x, workspace words))
+        self.launchers = {}  # (split slots, window length) -> launcher
         self.keep = (kc, vc, vrot)  # their ids are part of the plan's key
         m0 = mx.zeros((1,), mx.float32)  # stand-ins: only the dtypes name the kernel
         probe = [queries, cache.keys_packed, cache.keys_norms, cache.values_packed, cache.values_norms,
@@ -813,13 +815,17 @@ class _StepPlan:
             hit = self.means[id(m)] = (m, *_mean_or_zero(m))
         return hit[1], hit[2]
 
-    def _launcher(self, slots: int, grid_x: int, ws: int):
+    def _launcher(self, slots: int, grid_x: int, ws: int, w: int):
         """f(q, kp, kn, vp, vn, meta, wk, wv, km, vm) -> out for one split
         layout (grid and workspace size follow the slot count; the rest of
-        the layout travels in meta)."""
-        fn = self.launchers.get(slots)
+        the layout travels in meta) and window length: one compiled function
+        per window length, so each finds its one recorded launch at once
+        instead of scanning MLX's list of traced shapes."""
+        fn = self.launchers.get((slots, w))
         if fn is not None:
             return fn
+        if len(self.launchers) > 1024:
+            self.launchers.clear()
         kernel, template = self.kernel
         ktab, vtab = self.tables
         signs, vsigns, bh = self.signs, self.vsigns, self.bh
@@ -834,7 +840,7 @@ class _StepPlan:
                 output_dtypes=dtypes,
             )[1]  # no init_value: the kernel writes every element before reading it
 
-        fn = self.launchers[slots] = mx.compile(launch) if compile_enabled() else launch
+        fn = self.launchers[(slots, w)] = mx.compile(launch) if compile_enabled() else launch
         return fn
 
     def launch(self, queries, window_keys, window_values, cache, n: int) -> mx.array:
@@ -846,11 +852,13 @@ class _StepPlan:
                 self.per_n.clear()
             head = (n, cache.keys_packed.shape[2], cfg["TOKS"], self.grid_yz[0], cfg["SLOTS"], R, 0, 0,
                     cfg["OFF_PO"], cfg["OFF_PM"], cfg["OFF_PL"])
-            per = self.per_n[n] = (head, self._launcher(cfg["SLOTS"], cfg["GRID_X"], cfg["WS"]))
-        head, fn = per
+            per = self.per_n[n] = (head, (cfg["SLOTS"], cfg["GRID_X"], cfg["WS"]))
+        head, layout = per
+        w = window_keys.shape[2]
+        fn = self.launchers.get((layout[0], w)) or self._launcher(*layout, w)
         km, has_km = self._mean(getattr(cache, "key_mean", None))
         vm, has_vm = self._mean(getattr(cache, "value_mean", None))
-        meta = _meta(*head, window_keys.shape[2], self.scale_bits, has_km, has_vm)
+        meta = _meta(*head, w, self.scale_bits, has_km, has_vm)
         return fn(queries, cache.keys_packed, cache.keys_norms, cache.values_packed, cache.values_norms,
                   meta, window_keys, window_values, km, vm)
 
