@@ -769,9 +769,8 @@ class _StepPlan:
 
     The launch itself goes through ``mx.compile`` (``TQ_DECODE_COMPILE``,
     default on), one compiled launcher per split layout and window length:
-    MLX's
-    ``cuda_kernel`` call converts every argument and re-assembles the whole
-    kernel source on each call (~10 us on the H200's host), a compiled
+    MLX's ``cuda_kernel`` call converts every argument and re-assembles the
+    whole kernel source on each call (~10 us on the H200's host), a compiled
     function replays its recorded launch.  A launcher is traced once per
     window length (the window grows by one token per step, so the first
     pass through the window's lengths traces each once) and again only if
