@@ -79,7 +79,8 @@ def main() -> int:
     direct_step = per_call(step)
     os.environ["TQ_DECODE_COMPILE"] = "1"
     cplan = kernels._step_plan(q, wk, wk, c, ga.SCALE)
-    head, launcher = next(iter(cplan.per_n.values()))
+    head, layout = next(iter(cplan.per_n.values()))
+    launcher = cplan.launchers[(layout[0], wk.shape[2])]
     args = captured["inputs"]
     largs = (args[0], args[1], args[2], args[3], args[4], args[7], args[8], args[9], args[12], args[13])
     rows = {
