@@ -767,14 +767,15 @@ class _StepPlan:
     found again by a key of everything those checks read except the packed
     length and the window length, which are checked per step.
 
-    The launch itself goes through ``mx.compile`` (``TQ_DECODE_COMPILE``,
-    default on), one compiled launcher per split layout and window length:
-    MLX's ``cuda_kernel`` call converts every argument and re-assembles the
-    whole kernel source on each call (~10 us on the H200's host), a compiled
-    function replays its recorded launch.  A launcher is traced once per
-    window length (the window grows by one token per step, so the first
-    pass through the window's lengths traces each once) and again only if
-    another input's shape changes (the cache's storage grows).
+    ``TQ_DECODE_COMPILE=1`` launches through ``mx.compile`` instead (one
+    compiled launcher per split layout and window length).  Off by default,
+    as measured on the H200 (docs/benchmarks.md, session 14): a replayed
+    launch cost 6.6 us of host time against 7.1 us for MLX's direct
+    ``cuda_kernel`` call (which converts every argument and re-assembles the
+    kernel source each time), 13.1 against 15.1 us for a whole step, but
+    each new window length is traced once per layer (~0.3 ms), i.e. ~64
+    traces per layer before the saving starts to count -- a loss for
+    generations of a few hundred tokens.
     """
 
     __slots__ = ("kernel", "tables", "signs", "vsigns", "env", "dims", "max_w", "bh", "grid_yz",
@@ -862,10 +863,18 @@ class _StepPlan:
                   meta, window_keys, window_values, km, vm)
 
 
+# Whether the one-launch step goes through mx.compile (``TQ_DECODE_COMPILE``
+# overrides); see :class:`_StepPlan` for why it is off.
+COMPILE_BY_DEFAULT = False
+
+
 def compile_enabled() -> bool:
-    """``TQ_DECODE_COMPILE`` (default on): launch the one-launch decode step
-    through ``mx.compile`` (see :class:`_StepPlan`)."""
-    return getenv("TQ_DECODE_COMPILE", "1").strip().lower() not in ("0", "off", "false")
+    """``TQ_DECODE_COMPILE`` (default ``COMPILE_BY_DEFAULT``): launch the
+    one-launch decode step through ``mx.compile`` (see :class:`_StepPlan`)."""
+    v = getenv("TQ_DECODE_COMPILE", "").strip().lower()
+    if not v:
+        return COMPILE_BY_DEFAULT
+    return v not in ("0", "off", "false")
 
 
 # Settings read by the decode dispatch; a plan is only found again under the
@@ -884,7 +893,7 @@ def _plan_key(queries, window_keys, window_values, cache, scale) -> tuple:
             window_values.dtype, cache.keys_packed.shape, cache.values_packed.shape,
             cache.keys_norms.dtype, cache.values_norms.dtype, id(cache.key_codec),
             id(cache.value_codec), id(_value_rotation(cache)), scale, mx.default_device() == mx.gpu, env,
-            FUSED_STEP_BY_DEFAULT, TC8_BY_DEFAULT, TC8_L2PF)
+            FUSED_STEP_BY_DEFAULT, TC8_BY_DEFAULT, TC8_L2PF, COMPILE_BY_DEFAULT)
 
 
 def _build_plan(queries, window_keys, window_values, cache, scale) -> Optional[_StepPlan]:
