@@ -95,8 +95,8 @@ def main() -> int:
     header, body = kernels.kernel_source("tq_decode_tc8_fused", "cuda")
     print(f"kernel source: {len(header) + len(body)} chars in metal/, "
           f"{len(kernels.compact_source(header)) + len(kernels.compact_source(body))} as handed to MLX")
-    rows["whole step, direct launch"] = direct_step
-    rows["whole step, compiled launch (default)"] = compiled_step
+    rows["whole step, direct launch (default)"] = direct_step
+    rows["whole step, TQ_DECODE_COMPILE=1"] = compiled_step
     print(f"\n== host time per call, {n} tokens, no evaluation (us)")
     for name, t in rows.items():
         print(f"  {name:<40} {t:7.2f}")

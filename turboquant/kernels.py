@@ -93,7 +93,6 @@ def getenv(name: str, default=None):
     return default if v is None else v.decode()
 
 
-
 def mode() -> str:
     """The ``TQ_KERNELS`` setting (auto|gpu|reference)."""
     m = getenv("TQ_KERNELS", "auto").strip().lower() or "auto"
@@ -684,13 +683,18 @@ def _glue(rotation, value_rotation, scale: float, G: int, L: int):
 FUSED_STEP_BY_DEFAULT = True
 
 
+def _env_switch(name: str, default: bool) -> bool:
+    """An on/off setting: unset or empty -> ``default``; 0/off/false -> off."""
+    v = getenv(name, "").strip().lower()
+    if not v:
+        return default
+    return v not in ("0", "off", "false")
+
+
 def fused_step_enabled() -> bool:
     """``TQ_DECODE_FUSED`` (default: ``FUSED_STEP_BY_DEFAULT``): run a whole
     decode step in one launch where :func:`fused_step_supported` allows it."""
-    v = getenv("TQ_DECODE_FUSED", "").strip().lower()
-    if not v:
-        return FUSED_STEP_BY_DEFAULT
-    return v not in ("0", "off", "false")
+    return _env_switch("TQ_DECODE_FUSED", FUSED_STEP_BY_DEFAULT)
 
 
 def _fused_max_window(queries: mx.array, window_values: mx.array, cache) -> int:
@@ -871,10 +875,7 @@ COMPILE_BY_DEFAULT = False
 def compile_enabled() -> bool:
     """``TQ_DECODE_COMPILE`` (default ``COMPILE_BY_DEFAULT``): launch the
     one-launch decode step through ``mx.compile`` (see :class:`_StepPlan`)."""
-    v = getenv("TQ_DECODE_COMPILE", "").strip().lower()
-    if not v:
-        return COMPILE_BY_DEFAULT
-    return v not in ("0", "off", "false")
+    return _env_switch("TQ_DECODE_COMPILE", COMPILE_BY_DEFAULT)
 
 
 # Settings read by the decode dispatch; a plan is only found again under the
@@ -936,7 +937,7 @@ def _planned_step(queries, window_keys, window_values, cache, scale) -> Optional
 
 
 def decode_step(queries: mx.array, window_keys: mx.array, window_values: mx.array, cache,
-                scale: float, cfg: Optional[dict] = None) -> mx.array:
+                scale: float) -> mx.array:
     """The whole decode attention step in one launch (``tq_decode_tc8_fused``).
 
     Same result as :func:`_decode_attention` without a mask (rotate q, packed
@@ -944,15 +945,14 @@ def decode_step(queries: mx.array, window_keys: mx.array, window_values: mx.arra
     inverse rotation), but the rotations, the window and the merge run inside
     the split-K kernel: one launch and one graph node per layer instead of
     ~20, which at 8k-128k tokens cost more than the attention itself.
-    Callers check :func:`fused_step_config` first (``cfg``, its result, is
-    accepted for that reason and otherwise unused: the launch comes from the
-    step's cached :class:`_StepPlan`).
+    Callers check :func:`fused_step_supported` first; the launch comes from
+    the step's cached :class:`_StepPlan`.
     """
-    plan = _step_plan(queries, window_keys, window_values, cache, scale)
-    if plan is None or not 1 <= window_keys.shape[2] <= plan.max_w:
+    out = _planned_step(queries, window_keys, window_values, cache, scale)
+    if out is None:
         raise ValueError("decode_step: the one-launch step does not cover this call "
-                         "(check fused_step_config first)")
-    return plan.launch(queries, window_keys, window_values, cache, cache.packed_len)
+                         "(check fused_step_supported first)")
+    return out
 
 
 def _decode_attention(queries, window_keys, window_values, cache, scale, window_mask):
@@ -960,9 +960,8 @@ def _decode_attention(queries, window_keys, window_values, cache, scale, window_
     by log-sum-exp with exact attention over the window (as the reference
     path merges its online-softmax state).  Where the one-launch kernel
     covers the step (CUDA), it runs instead of the ops below."""
-    cfg = fused_step_config(queries, window_keys, window_values, cache, window_mask)
-    if cfg is not None:
-        return decode_step(queries, window_keys, window_values, cache, scale, cfg)
+    if fused_step_supported(queries, window_keys, window_values, cache, window_mask):
+        return decode_step(queries, window_keys, window_values, cache, scale)
     B, H_q, L, D = queries.shape
     H_kv = window_keys.shape[1]
     G = H_q // H_kv
