@@ -6,7 +6,8 @@
 #   call 1 (carry .whl/a):  mkdir -p /root/stash && cp .whl/a/* /root/stash/
 #   call 2 (carry .whl/b):  bash benchmarks/gpu_session.sh [all|tests|bench|tb|profile]  (tb = tests + bench)
 # Environment: PYTEST_K (pytest -k filter), TEST_TIMEOUT / BENCH_TIMEOUT
-# (seconds, default 240 / 300), BENCH_ARGS (extra gpu_attention.py flags).
+# (seconds, default 240 / 300), BENCH_ARGS (extra gpu_attention.py flags),
+# NCU_VARIANTS / NCU_ARGS / NCU_TIMEOUT (profile: see below).
 set -x
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 what="${1:-all}"
@@ -33,9 +34,22 @@ if [ "$what" = all ] || [ "$what" = bench ] || [ "$what" = tb ]; then
     | tee "$OUT/bench.log"
 fi
 if [ "$what" = all ] || [ "$what" = profile ]; then
+  # NCU_VARIANTS: ';'-separated environment settings, one profile each
+  # (e.g. "TQ_TC8_BLOCKS=264;TQ_TC8_BLOCKS=528"); the stall reasons come
+  # per issued instruction (smsp__average_warps_issue_stalled_*)
   NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
-  timeout "${NCU_TIMEOUT:-120}" $NCU --clock-control none -k regex:tq_decode_tc8_[0-9a-f] --launch-count 1 \
-    --section SchedulerStats --section WarpStateStats --section Occupancy --section SpeedOfLight \
-    --section LaunchStats --section MemoryWorkloadAnalysis_Tables --section InstructionStats python3 benchmarks/profile_decode.py 2>&1 | tee "$OUT/ncu.txt" | tail -80
+  IFS=';' read -r -a variants <<< "${NCU_VARIANTS:-TQ_TC8_BLOCKS=264}"
+  i=0
+  for v in "${variants[@]}"; do
+    i=$((i + 1))
+    echo "== ncu variant $i: $v" | tee -a "$OUT/ncu.txt"
+    env $v timeout "${NCU_TIMEOUT:-120}" $NCU --clock-control none -k regex:tq_decode_tc8_ --launch-count 1 \
+      --section SchedulerStats --section WarpStateStats --section Occupancy --section SpeedOfLight \
+      --section LaunchStats --section InstructionStats \
+      --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" \
+      python3 benchmarks/profile_decode.py $NCU_ARGS > "$OUT/ncu_$i.txt" 2>&1
+    grep -E "Duration|Registers Per|Grid Size|Achieved Active|Issued Warp|Eligible Warps|Cycles Per Issued|DRAM Through|L1/TEX Cache|Executed Instructions  |stalled" "$OUT/ncu_$i.txt" \
+      | grep -v -E " 0(\.0+)?$" | tee -a "$OUT/ncu.txt"
+  done
 fi
 echo "session done"

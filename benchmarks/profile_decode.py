@@ -1,6 +1,10 @@
-"""One 3.5-bit decode-attention call at 512k tokens, for Nsight Compute:
+"""One 3.5-bit decode step at 512k tokens, for Nsight Compute.
 
-  ncu --clock-control none -k regex:tq_decode_tc8_[0-9a-f] --launch-count 1 \\
+By default the one-launch step as a model runs it (``turboquant_attention``
+with a 128-token fp16 window: ``tq_decode_tc8_fused``); ``--kernel`` profiles
+the attention kernel alone on pre-rotated queries (``tq_decode_tc8``):
+
+  ncu --clock-control none -k regex:tq_decode_tc8_ --launch-count 1 \\
       --section SchedulerStats --section WarpStateStats --section Occupancy \\
       --section SpeedOfLight python3 benchmarks/profile_decode.py
 """
@@ -9,13 +13,23 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import gpu_attention as g  # noqa: E402
 import mlx.core as mx  # noqa: E402
 
+from turboquant import kernels  # noqa: E402
+
 c = g.tq_cache(512 * 1024, 3.5)
-q_rot = mx.random.normal((1, g.HKV, g.HQ // g.HKV, g.D)) * g.SCALE
-f = g.tq_decode_fn(c, q_rot)
+if "--kernel" in sys.argv:
+    q_rot = mx.random.normal((1, g.HKV, g.HQ // g.HKV, g.D)) * g.SCALE
+    f = g.tq_decode_fn(c, q_rot)
+else:
+    q = mx.random.normal((1, g.HQ, 1, g.D)).astype(mx.float16)
+    wk = mx.random.normal((1, g.HKV, 128, g.D)).astype(mx.float16)
+
+    def f():
+        return kernels.turboquant_attention(q, wk, wk, c, g.SCALE, None)
 for _ in range(3):
     mx.eval(f())
 mx.synchronize()
