@@ -86,6 +86,31 @@ def timeit2(fns, repeats: int = 7, batch: int = 0) -> tuple[float, float]:
     return total[len(total) // 2], evals[len(evals) // 2]
 
 
+def timeit_chain(step, q0, caches, batch: int, repeats: int = 5) -> float:
+    """Evaluation time per call of ``batch`` dependent calls: each call's
+    query is the previous call's output, as layer after layer of a model.
+    Independent calls in one evaluation (``timeit2``) may run side by side
+    (MLX's CUDA graphs launch independent nodes concurrently), which hides a
+    latency-bound kernel's idle SMs; a decoding model cannot do that."""
+    def build():
+        q = q0
+        for i in range(batch):
+            q = step(q, caches[i % len(caches)])
+        return q
+    mx.eval(build())  # warm-up/compile
+    mx.synchronize()
+    times = []
+    for _ in range(repeats):
+        out = build()
+        t1 = time.perf_counter()
+        mx.eval(out)
+        mx.synchronize()
+        times.append((time.perf_counter() - t1) / batch)
+        del out
+    times.sort()
+    return times[len(times) // 2]
+
+
 def copy_rate() -> float:
     """Device copy bandwidth (bytes read + written per second)."""
     a = mx.random.uniform(shape=(1 << 29,))  # 2 GiB float32
@@ -163,13 +188,22 @@ def tq_decode_fn(c, q_rot):
 # ------------------------------------------------------------------ sections
 
 
+# extra rows of the one-launch step with other launch shapes (TQ_TC8_*)
+STEP_ROWS = {"tq 3.5 step, 4 warps": {"TQ_TC8_NW": "4", "TQ_TC8_MINBLOCKS": "4"},
+             "tq 3.5 step, 528 tgs": {"TQ_TC8_BLOCKS": "528"}}
+
+
 def bench_decode(lengths, results, bw):
     q = mx.random.normal((1, HQ, 1, D)).astype(mx.float16)
     q_rot = (q.astype(mx.float32) * SCALE).reshape(1, HKV, HQ // HKV, D)
-    hdr = (f"{'tokens':>8} {'method':<22} {'ms/token':>9} {'MB read':>9} {'GB/s':>8} {'% copy':>7} {'vs fp16':>8}"
-           f" {'eval ms':>8} {'vs fp16':>8}")
+    hdr = (f"{'tokens':>8} {'method':<22} {'ms/token':>9} {'MB read':>9} {'vs fp16':>8}"
+           f" {'eval ms':>8} {'vs fp16':>8} {'chain ms':>9} {'vs fp16':>8} {'GB/s':>6} {'% copy':>7}")
     print("\n== decode attention, 32 q heads / 8 kv heads / d=128, batch 1, one query token")
+    print("   ms/token: independent calls, graph build included; eval ms: the same batch, evaluation only;")
+    print("   chain ms: evaluation only, each call's query = the previous call's output (as a model's layers);")
+    print("   GB/s and % copy (of the copy rate above) from chain ms")
     print(hdr)
+    fp16_step = lambda x, c: mx.fast.scaled_dot_product_attention(x, c[0], c[1], scale=SCALE)  # noqa: E731
     for n in lengths:
         row = {}
         # One batch size for every method at this length (the largest copy
@@ -181,50 +215,61 @@ def bench_decode(lengths, results, bw):
         k, v = fp16_cache(n)
         nb = k.nbytes + v.nbytes
         cs = [(k, v)] + [fp16_cache(n) for _ in range(copies_for(nb) - 1)]
-        t = timeit2([lambda c=c: mx.fast.scaled_dot_product_attention(q, c[0], c[1], scale=SCALE) for c in cs],
-                    batch=batch)
-        row["fp16 sdpa"] = (t, nb)
+        t = timeit2([lambda c=c: fp16_step(q, c) for c in cs], batch=batch)
+        row["fp16 sdpa"] = (t, timeit_chain(fp16_step, q, cs, batch), nb)
         aq = [affine_cache(*c) for c in cs]
         anb = sum(a.nbytes for a in aq[0][0]) + sum(a.nbytes for a in aq[0][1])
         del cs
         try:
             t = timeit2([lambda a=a: affine_attention(q, *a) for a in aq], batch=batch)
-            row["affine 4-bit (mlx)"] = (t, anb)
+            row["affine 4-bit (mlx)"] = (t, timeit_chain(lambda x, a: affine_attention(x, *a), q, aq, batch), anb)
         except Exception as e:  # noqa: BLE001
             print(f"  affine failed at {n}: {e}")
         del aq, k, v
         for kv_bits in (2.5, 3.5, 4):
             c0 = tq_cache(n, kv_bits)
             cs = [c0] + [tq_cache(n, kv_bits, seed=i + 1) for i in range(copies_for(c0.nbytes) - 1)]
+
+            def kernel_step(x, c):
+                return tq_decode_fn(c, x)()
+
             t = timeit2([tq_decode_fn(c, q_rot) for c in cs], batch=batch)
-            row[f"turboquant {kv_bits}-bit"] = (t, c0.nbytes)
+            row[f"turboquant {kv_bits}-bit"] = (t, timeit_chain(kernel_step, q_rot, cs, batch), c0.nbytes)
             if kv_bits == 3.5 and kernels.decode_impl(D, HQ // HKV) != "simt":  # the other kernels
                 for impl, label in (("tc", "tq 3.5 tc16 kernel"), ("simt", "tq 3.5 simt kernel")):
                     os.environ["TQ_DECODE_IMPL"] = impl
                     t = timeit2([tq_decode_fn(c, q_rot) for c in cs], batch=batch)
+                    row[label] = (t, timeit_chain(kernel_step, q_rot, cs, batch), c0.nbytes)
                     os.environ.pop("TQ_DECODE_IMPL")
-                    row[label] = (t, c0.nbytes)
             if kv_bits == 3.5:  # whole attention: rotations, 128-token window, merge
                 wk = mx.random.normal((1, HKV, 128, D)).astype(mx.float16)
-                full = [lambda c=c: kernels.turboquant_attention(q, wk, wk, c, SCALE, None) for c in cs]
+
+                def whole_step(x, c):
+                    return kernels.turboquant_attention(x, wk, wk, c, SCALE, None)
+
+                full = [lambda c=c: whole_step(q, c) for c in cs]
                 os.environ["TQ_DECODE_FUSED"] = "1"
-                try:
-                    t = timeit2(full, batch=batch)  # one launch (tq_decode_tc8_fused) where it applies
-                    row["tq 3.5 whole step"] = (t, c0.nbytes + 2 * wk.nbytes)
-                except Exception as e:  # noqa: BLE001  (keep the rest of the table)
-                    print(f"  whole step failed at {n}: {e}")
+                for label, env in {"tq 3.5 whole step": {}, **STEP_ROWS}.items():
+                    os.environ.update(env)
+                    try:  # one launch (tq_decode_tc8_fused) where it applies
+                        row[label] = (timeit2(full, batch=batch), timeit_chain(whole_step, q, cs, batch),
+                                      c0.nbytes + 2 * wk.nbytes)
+                    except Exception as e:  # noqa: BLE001  (keep the rest of the table)
+                        print(f"  {label} failed at {n}: {e}")
+                    for key in env:
+                        os.environ.pop(key)
                 os.environ["TQ_DECODE_FUSED"] = "0"
-                t = timeit2(full, batch=batch)  # the kernel + ~20 MLX ops around it
+                row["tq 3.5 step, op-by-op"] = (timeit2(full, batch=batch), timeit_chain(whole_step, q, cs, batch),
+                                                c0.nbytes + 2 * wk.nbytes)  # the kernel + ~20 MLX ops around it
                 os.environ.pop("TQ_DECODE_FUSED")
-                row["tq 3.5 step, op-by-op"] = (t, c0.nbytes + 2 * wk.nbytes)
             del cs, c0
-        base, base_e = row["fp16 sdpa"][0]
-        for name, ((t, te), nbytes) in row.items():
-            gbs = nbytes / t / 1e9
-            print(f"{n:>8} {name:<22} {t * 1e3:>9.4f} {nbytes / 1e6:>9.1f} {gbs:>8.0f} "
-                  f"{100 * nbytes / t / bw:>6.1f}% {base / t:>7.2f}x {te * 1e3:>8.4f} {base_e / te:>7.2f}x")
-        results.setdefault("decode", {})[n] = {k_: {"s": t, "eval_s": te, "bytes": b}
-                                               for k_, ((t, te), b) in row.items()}
+        (base, base_e), base_c, _ = row["fp16 sdpa"]
+        for name, ((t, te), tc, nbytes) in row.items():
+            print(f"{n:>8} {name:<22} {t * 1e3:>9.4f} {nbytes / 1e6:>9.1f} {base / t:>7.2f}x"
+                  f" {te * 1e3:>8.4f} {base_e / te:>7.2f}x {tc * 1e3:>9.4f} {base_c / tc:>7.2f}x"
+                  f" {nbytes / tc / 1e9:>6.0f} {100 * nbytes / tc / bw:>6.1f}%")
+        results.setdefault("decode", {})[n] = {k_: {"s": t, "eval_s": te, "chain_s": tc, "bytes": b}
+                                               for k_, ((t, te), tc, b) in row.items()}
         mx.clear_cache()
 
 
@@ -254,11 +299,18 @@ def bench_decode_variants(n, results, blocks_list=(264, 528, 1056)):
     return best
 
 
-def bench_step_variants(n, results, blocks_list=(132, 198, 264), vc32_list=(0, 1)):
-    """Launch shapes of the one-launch decode step at one length: at short
-    contexts every threadgroup's fixed work (copying the pair tables into
-    shared memory, rotating q) weighs more, so fewer threadgroups or the
-    smaller value table may win there."""
+# VC32/PF/MINB/NW/blocks: the default (8 warps), then its neighbours: 4 warps
+# (the default until run 20), other threadgroup counts, the 16-copy value
+# table, two prefetched tiles (uncapped registers)
+STEP_SHAPES = "1/1/2/8/264,1/1/4/4/264,1/1/2/8/132,1/1/2/8/528,0/1/2/8/264,1/2/0/4/264"
+_SHAPE_ENV = ("TQ_TC8_VC32", "TQ_TC8_PF", "TQ_TC8_MINBLOCKS", "TQ_TC8_NW", "TQ_TC8_BLOCKS")
+
+
+def bench_step_variants(n, results, shapes=STEP_SHAPES):
+    """Launch shapes of the one-launch decode step at one length, each
+    ``VC32/PF/MINB/NW/blocks`` (``TQ_TC8_*``): at short contexts every
+    threadgroup's fixed work (copying the pair tables into shared memory,
+    rotating q) weighs more; at long ones the bytes in flight per SM decide."""
     q = mx.random.normal((1, HQ, 1, D)).astype(mx.float16)
     wk = mx.random.normal((1, HKV, 128, D)).astype(mx.float16)
     c0 = tq_cache(n, 3.5)
@@ -266,18 +318,19 @@ def bench_step_variants(n, results, blocks_list=(132, 198, 264), vc32_list=(0, 1
     batch = max(8, copies_for(tq_cache_bytes(n, 2.5)))  # as in the decode table
     print(f"\n== one-launch decode step launch shapes at {n} tokens, 3.5-bit (batch {batch})")
     os.environ["TQ_DECODE_FUSED"] = "1"
-    for vc in vc32_list:
-        for blocks in blocks_list:
-            os.environ.update(TQ_TC8_VC32=str(vc), TQ_TC8_BLOCKS=str(blocks))
-            try:
-                t = timeit([lambda c=c: kernels.turboquant_attention(q, wk, wk, c, SCALE, None) for c in cs],
-                           batch=batch)
-            except Exception as e:  # noqa: BLE001
-                print(f"  VC32={vc} blocks={blocks:>4}: failed {e}")
-                continue
-            print(f"  VC32={vc} blocks={blocks:>4}: {t * 1e3:.4f} ms")
-            results.setdefault("step_variants", {})[f"{n}/{vc}/{blocks}"] = t
-    for key in ("TQ_DECODE_FUSED", "TQ_TC8_VC32", "TQ_TC8_BLOCKS"):
+    for shape in shapes.split(","):
+        os.environ.update(zip(_SHAPE_ENV, shape.split("/")))
+        tag = " ".join(f"{k[7:]}={v}" for k, v in zip(_SHAPE_ENV, shape.split("/")))
+        try:
+            t = timeit2([lambda c=c: kernels.turboquant_attention(q, wk, wk, c, SCALE, None) for c in cs],
+                        batch=batch)
+            tc = timeit_chain(lambda x, c: kernels.turboquant_attention(x, wk, wk, c, SCALE, None), q, cs, batch)
+        except Exception as e:  # noqa: BLE001
+            print(f"  {tag}: failed {e}")
+            continue
+        print(f"  {tag}: {t[0] * 1e3:.4f} ms  eval only {t[1] * 1e3:.4f} ms  chained {tc * 1e3:.4f} ms")
+        results.setdefault("step_variants", {})[f"{n}/{shape}"] = (*t, tc)
+    for key in ("TQ_DECODE_FUSED",) + _SHAPE_ENV:
         os.environ.pop(key, None)
 
 
@@ -514,6 +567,8 @@ def main() -> int:
                     help="lengths for the split-counter fill-node check ('none' = skip)")
     ap.add_argument("--step-sweep", default="none",
                     help="lengths for the one-launch step's launch-shape sweep ('none' = skip)")
+    ap.add_argument("--step-shapes", default=STEP_SHAPES,
+                    help="VC32/PF/MINB/NW/blocks launch shapes the step sweep tries")
     ap.add_argument("--prefill", default="128k", help="prefill length ('none' = skip)")
     ap.add_argument("--chunk", type=int, default=2048)
     ap.add_argument("--json", default="")
@@ -540,7 +595,7 @@ def main() -> int:
             bench_counter_node(parse_len(length), results)
     if args.step_sweep not in ("", "none"):
         for length in args.step_sweep.split(","):
-            bench_step_variants(parse_len(length), results)
+            bench_step_variants(parse_len(length), results, args.step_shapes)
     if args.batch_check not in ("", "none"):
         for length in args.batch_check.split(","):
             bench_batch(parse_len(length), results)
