@@ -637,16 +637,18 @@ def test_tensor_core_kernel_tiles_many_query_rows(monkeypatch, bits, rows):
 @gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("bits", [(3, 4), (2, 3), (4, 4)])
-@pytest.mark.parametrize("blocks", ["2", "64"])
+@pytest.mark.parametrize("blocks,nw", [("2", "8"), ("64", "4"), ("64", "8")])
 @pytest.mark.parametrize("pf,vc32", [("1", "0"), ("1", "1"), ("2", "1")])
 @pytest.mark.parametrize("l2pf", ["0", "1"])
-def test_tc8_long_splits_and_fused_reduction(monkeypatch, bits, blocks, pf, vc32, l2pf):
-    """tc8 with few threadgroups (each warp loops over ~80 ping-ponged tiles)
-    and with many (the last threadgroup of a head merges 20+ partials)."""
+def test_tc8_long_splits_and_fused_reduction(monkeypatch, bits, blocks, nw, pf, vc32, l2pf):
+    """tc8 with few threadgroups (each warp loops over ~40-80 ping-ponged
+    tiles) and with many (the last threadgroup of a head merges 20+
+    partials), with 4 and 8 warps."""
     if kernels.backend() != "cuda":
         pytest.skip("tensor-core kernel: CUDA only")
     monkeypatch.setenv("TQ_DECODE_IMPL", "tc8")
     monkeypatch.setenv("TQ_TC8_BLOCKS", blocks)
+    monkeypatch.setenv("TQ_TC8_NW", nw)
     monkeypatch.setenv("TQ_TC8_PF", pf)  # tiles prefetched: 2 or 3 register buffers
     monkeypatch.setenv("TQ_TC8_VC32", vc32)  # 32-copy 4-bit value table (3-bit keys)
     monkeypatch.setenv("TQ_TC8_L2PF", l2pf)  # code loads with the L2::256B hint
@@ -722,13 +724,16 @@ def test_fused_decode_step_dtypes_in_one_process(monkeypatch):
 @gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("blocks", ["2", "64", "264"])
-def test_fused_decode_step_long_history(monkeypatch, blocks):
-    """20,000 packed tokens: one packed split (+ the window's), 8 and ~33."""
+@pytest.mark.parametrize("nw", ["4", "8"])
+def test_fused_decode_step_long_history(monkeypatch, blocks, nw):
+    """20,000 packed tokens: one packed split (+ the window's), 8 and ~33;
+    4 and 8 warps per threadgroup."""
     if kernels.backend() != "cuda":
         pytest.skip("tensor-core kernel: CUDA only")
     from turboquant.attention import turboquant_attention as reference
 
     monkeypatch.setenv("TQ_TC8_BLOCKS", blocks)
+    monkeypatch.setenv("TQ_TC8_NW", nw)
     monkeypatch.setenv("TQ_DECODE_FUSED", "1")
     d, h_kv, g = 128, 2, 4
     cache = _filled_cache(3.5, d, h_kv, 20000, window=128)
