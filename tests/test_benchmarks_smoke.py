@@ -184,3 +184,22 @@ def test_default_configs_put_fp16_first_and_filter_schemes():
     some = quality.default_configs(64, [3.5], ["mlx-vlm", "turboquant"])
     assert [(c.scheme, c.bits, c.window) for c in some] == [
         ("fp16", None, None), ("mlx-vlm", 3.5, None), ("turboquant", 3.5, 64), ("turboquant", 3.5, 0)]
+
+
+# ------------------------------------------------------------------ GPU attention timing
+
+
+def test_chained_timing_feeds_each_output_to_the_next_call():
+    """``chain ms`` must time dependent calls (a model's layers), not a batch
+    that the GPU may run side by side: each call gets the previous output."""
+    from benchmarks import gpu_attention
+
+    seen = []
+
+    def step(x, c):
+        seen.append(x)
+        return x + c
+
+    t = gpu_attention.timeit_chain(step, mx.array(0.0), [mx.array(1.0), mx.array(2.0)], batch=4, repeats=2)
+    assert t > 0 and len(seen) == 3 * 4  # warm-up + 2 timed chains of 4 calls
+    assert [float(x) for x in seen[:4]] == [0.0, 1.0, 3.0, 4.0]
