@@ -13,6 +13,7 @@ Needs (paths via environment, all from PyPI wheels / the mlx-cuda wheel):
                       headers MLX embeds in libmlx.so) and cccl/
 
   python benchmarks/cuda_compile_check.py
+  python benchmarks/cuda_compile_check.py --sass tq_decode_tc8_fused NW=8 MINB=2 > fused.sass
 """
 
 from __future__ import annotations
@@ -172,7 +173,43 @@ CASES = [
 ]
 
 
+def dump_sass(spec: str, overrides: list[str], arch: str = "sm_90") -> int:
+    """Print the SASS of one case: ``NAME[:INDEX]`` (the INDEX-th case of that
+    kernel in CASES), template overrides ``K=V``; ``MINB=n`` adds the launch
+    bounds the dispatcher would (``__launch_bounds__(NW * 32, n)``).  Needs
+    ``nvcc`` and ``cuobjdump`` + ``nvdisasm`` on PATH (PyPI:
+    nvidia-cuda-cuobjdump, nvidia-cuda-nvdisasm).  Reading it is how a load
+    that undid the prefetch was found (a conversion right after the load:
+    docs/benchmarks.md, session 15)."""
+    import shutil
+    import subprocess
+    import tempfile
+
+    name, _, index = spec.partition(":")
+    name, ins, outs, tmpl = [c for c in CASES if c[0] == name][int(index or 0)]
+    tmpl = dict(tmpl)
+    for kv in overrides:
+        k, v = kv.split("=")
+        tmpl[k] = int(v)
+    minb = tmpl.pop("MINB", 0)
+    src = mlx_cuda_source(name, ins, outs, list(tmpl.items())).replace(_MLX_DEFAULT_HEADER, _NVCC_PREAMBLE)
+    if minb:
+        src = src.replace("__global__ void custom_kernel",
+                          f"__global__ __launch_bounds__({32 * tmpl['NW']}, {minb}) void custom_kernel")
+    with tempfile.TemporaryDirectory() as d:
+        cu, cubin = Path(d) / f"{name}.cu", Path(d) / f"{name}.cubin"
+        cu.write_text(src)
+        r = subprocess.run([shutil.which("nvcc") or "nvcc", f"-arch={arch}", "-std=c++17", "-cubin",
+                            "-Xptxas", "-v", "-o", str(cubin), str(cu)], capture_output=True, text=True)
+        print(r.stderr.strip(), file=sys.stderr)
+        if r.returncode:
+            return 1
+        return subprocess.run([shutil.which("cuobjdump") or "cuobjdump", "-sass", str(cubin)]).returncode
+
+
 def main() -> int:
+    if len(sys.argv) > 2 and sys.argv[1] == "--sass":
+        return dump_sass(sys.argv[2], sys.argv[3:])
     failed = 0
     for name, ins, outs, tmpl in CASES:
         ok, log = compile_cuda(mlx_cuda_source(name, ins, outs, tmpl), name)
