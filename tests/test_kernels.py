@@ -9,6 +9,7 @@ flavour compiles.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 
@@ -230,6 +231,21 @@ class _RecordingKernel:
         return [mx.zeros(s, d) for s, d in zip(kw["output_shapes"], kw["output_dtypes"])]
 
 
+@contextlib.contextmanager
+def _cuda_stand_in(monkeypatch, cuda_kernel):
+    """A CUDA backend whose ``mx.fast.cuda_kernel`` is ``cuda_kernel`` (no GPU
+    needed); no stand-in kernel or plan built on it outlives the block."""
+    monkeypatch.setattr(kernels, "backend", lambda: "cuda")
+    monkeypatch.setattr(mx.fast, "cuda_kernel", cuda_kernel)
+    kernels._kernel.cache_clear()
+    kernels._PLANS.clear()
+    try:
+        yield
+    finally:
+        kernels._kernel.cache_clear()
+        kernels._PLANS.clear()
+
+
 @pytest.fixture
 def fake_cuda(monkeypatch):
     """A CUDA backend whose kernels record their launches (no GPU needed)."""
@@ -238,13 +254,8 @@ def fake_cuda(monkeypatch):
     def cuda_kernel(name, **kw):
         return made.setdefault(name, _RecordingKernel(name, log))
 
-    monkeypatch.setattr(kernels, "backend", lambda: "cuda")
-    monkeypatch.setattr(mx.fast, "cuda_kernel", cuda_kernel)
-    kernels._kernel.cache_clear()
-    kernels._PLANS.clear()
-    yield made, log
-    kernels._kernel.cache_clear()  # no recording kernel outlives the test
-    kernels._PLANS.clear()
+    with _cuda_stand_in(monkeypatch, cuda_kernel):
+        yield made, log
 
 
 def test_kernel_names_carry_the_dtypes(fake_cuda):
@@ -337,11 +348,7 @@ def test_compiled_step_launch_passes_each_steps_data(monkeypatch):
             out = (q.astype(mx.float32) * 0.25 + s * 1e-3).astype(kw["output_dtypes"][1])
             return [mx.zeros(kw["output_shapes"][0], mx.float32), out]
 
-    monkeypatch.setattr(kernels, "backend", lambda: "cuda")
-    monkeypatch.setattr(mx.fast, "cuda_kernel", lambda name, **kw: Mixing(name))
-    kernels._kernel.cache_clear()
-    kernels._PLANS.clear()
-    try:
+    with _cuda_stand_in(monkeypatch, lambda name, **kw: Mixing(name)):
         monkeypatch.setenv("TQ_KERNELS", "gpu")
         monkeypatch.setenv("TQ_DECODE_FUSED", "1")
         monkeypatch.setattr(kernels, "quantize_any", _codec_quantize)
@@ -361,9 +368,6 @@ def test_compiled_step_launch_passes_each_steps_data(monkeypatch):
         monkeypatch.setenv("TQ_DECODE_COMPILE", "1")
         mx.eval(kernels.turboquant_attention(q * 2, wk, wv, cache, 0.1, None))
         assert len(log) == traced  # the same shapes again: replayed, not traced
-    finally:
-        kernels._kernel.cache_clear()
-        kernels._PLANS.clear()
 
 
 def test_tc8_value_table_copies_follow_the_widths(monkeypatch):
