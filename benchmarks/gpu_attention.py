@@ -189,7 +189,7 @@ def tq_decode_fn(c, q_rot):
 
 
 # extra rows of the one-launch step with other launch shapes (TQ_TC8_*)
-STEP_ROWS = {"tq 3.5 step, 8 warps": {"TQ_TC8_NW": "8", "TQ_TC8_MINBLOCKS": "2"},
+STEP_ROWS = {"tq 3.5 step, 4 warps": {"TQ_TC8_NW": "4", "TQ_TC8_MINBLOCKS": "4"},
              "tq 3.5 step, 528 tgs": {"TQ_TC8_BLOCKS": "528"}}
 
 
@@ -299,10 +299,10 @@ def bench_decode_variants(n, results, blocks_list=(264, 528, 1056)):
     return best
 
 
-# VC32/PF/MINB/NW/blocks: the default (4 warps), then its neighbours: 8 warps
-# (16 per SM; faster as dependent calls in run 20), other threadgroup counts,
-# the 16-copy value table, two prefetched tiles (uncapped registers)
-STEP_SHAPES = "1/1/4/4/264,1/1/2/8/264,1/1/2/8/132,1/1/2/8/528,0/1/2/8/264,1/2/0/4/264"
+# VC32/PF/MINB/NW/blocks: the default (8 warps), then its neighbours: 4 warps
+# (the default until session 15), other threadgroup counts, the 16-copy
+# value table, two prefetched tiles (uncapped registers)
+STEP_SHAPES = "1/1/2/8/264,1/1/4/4/264,1/1/2/8/132,1/1/2/8/528,0/1/2/8/264,1/2/0/4/264"
 _SHAPE_ENV = ("TQ_TC8_VC32", "TQ_TC8_PF", "TQ_TC8_MINBLOCKS", "TQ_TC8_NW", "TQ_TC8_BLOCKS")
 
 

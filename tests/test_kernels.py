@@ -306,11 +306,11 @@ def test_decode_step_plan(fake_cuda, monkeypatch):
     cache.key_mean = cache.key_mean * 2
     kernels.turboquant_attention(q, wk, wv, cache, 0.1, None)
     assert np.allclose(np.asarray(fused.calls[-1]["inputs"][12]), np.asarray(cache.key_mean.astype(mx.float32)))
-    monkeypatch.setenv("TQ_TC8_NW", "8")
+    monkeypatch.setenv("TQ_TC8_NW", "4")
     kernels.turboquant_attention(q, wk, wv, cache, 0.1, None)
     name, call = log[-1]
     assert name.startswith("tq_decode_tc8_fused") and name != fused.name  # another prelude
-    assert dict(call["template"])["NW"] == 8 and call["threadgroup"] == (256, 1, 1)
+    assert dict(call["template"])["NW"] == 4 and call["threadgroup"] == (128, 1, 1)
     assert len(kernels._PLANS[cache.rotation]) == 2
     # what the one-launch step does not take falls through to the general path
     big = mx.zeros((1, 2, 4000, 128), mx.float16)
@@ -377,7 +377,9 @@ def test_tc8_value_table_copies_follow_the_widths(monkeypatch):
     assert kernels.tc8_config(128, 4, 8, 4096, 4, 4)["VC32"] == 0  # 16 + 32 KB would not fit 48 KB
     assert kernels.tc8_config(128, 4, 8, 4096, 2, 3)["VC32"] == 0  # 64-entry tables have 32 copies
     assert kernels.tc8_config(128, 4, 8, 4096, 2, 3)["MINB"] == 0  # 3-bit values: ~168 registers
-    assert kernels.tc8_config(128, 4, 8, 4096, 3, 4)["MINB"] == 4  # 128 registers, 4 per SM
+    assert kernels.tc8_config(128, 4, 8, 4096, 2, 3)["NW"] == 4  # ... so 4 warps, 3 per SM
+    cfg = kernels.tc8_config(128, 4, 8, 4096, 3, 4)
+    assert cfg["NW"] == kernels.TC8_WARPS and cfg["NW"] * cfg["MINB"] == 16  # 128 registers
     monkeypatch.setenv("TQ_TC8_VC32", "0")
     assert kernels.tc8_config(128, 4, 8, 4096, 3, 4)["VC32"] == 0
 

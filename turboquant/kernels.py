@@ -354,6 +354,12 @@ def tc_config(d: int, rows: int, b_hkv: int, n: int) -> dict:
 
 
 TC8_BLOCKS = 264  # threadgroups (2 per SM on 132 SMs): best of 264/528/1056 at 32k and 512k
+# Warps per threadgroup.  8 (16 warps per SM) against 4: decode attention
+# calls in a model run one after another, and there the kernel is latency
+# bound -- chained steps took 0.284 against 0.401 ms at 512k tokens and
+# 0.100 against 0.164 at 128k (H200 run 20, docs/benchmarks.md).  Timed as
+# independent calls, which MLX may run side by side, the two were equal.
+TC8_WARPS = 8
 
 
 def _tc8_env() -> tuple:
@@ -367,12 +373,13 @@ def tc8_config(d: int, rows: int, b_hkv: int, n: int, key_bits: int = 3, value_b
                window: bool = False) -> dict:
     """Launch shape of the tc8 decode kernel and its workspace layout.
 
-    Defaults from the H200 sweep (docs/benchmarks.md): 4 warps, one tile
+    Defaults from the H200 sweeps (docs/benchmarks.md): 8 warps, one tile
     prefetched (``PF``), ~264 threadgroups, and for 3-bit-or-narrower keys
     with 4-bit values the 32-copy value table (``VC32``: no bank conflicts,
-    49 KB of shared memory).  128 registers (``MINB`` = 4 resident
-    threadgroups caps them) except for 3-bit values, which need ~168 and run
-    uncapped.  Every split writes a partial state and the last one of its
+    49 KB of shared memory).  128 registers (``MINB`` = 2 resident
+    threadgroups of 8 warps caps them) except for 3-bit values, which need
+    ~168, run uncapped and keep 4 warps (8 would leave one threadgroup per
+    SM).  Every split writes a partial state and the last one of its
     (batch, kv head) merges them, so the workspace holds: counters, the final
     output and log-sum-exp, and the partials.  ``window``: the fused decode
     step (``tq_decode_tc8_fused``), whose extra threadgroup per (batch, kv
@@ -387,7 +394,7 @@ def tc8_config(d: int, rows: int, b_hkv: int, n: int, key_bits: int = 3, value_b
 def _tc8_config(d, rows, b_hkv, n, key_bits, value_bits, window, env) -> dict:
     e_nw, e_blocks, e_pf, e_vc32, e_minb, e_l2pf = env
     l2pf = int(e_l2pf) if e_l2pf else TC8_L2PF
-    nw = int(e_nw or 0) or 4
+    nw = int(e_nw or 0) or (4 if value_bits == 3 else TC8_WARPS)
     step = 16 * nw
     target = int(e_blocks or 0) or TC8_BLOCKS
     splits = max(1, -(-target // max(1, b_hkv)))
