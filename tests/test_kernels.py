@@ -665,6 +665,36 @@ def test_tc8_long_splits_and_fused_reduction(monkeypatch, bits, blocks, nw, pf, 
 
 @gpu
 @pytest.mark.gpu
+@pytest.mark.parametrize("rising", [True, False])
+@pytest.mark.parametrize("nw", ["4", "8"])
+def test_tc8_running_max_that_rises_every_tile(monkeypatch, rising, nw):
+    """tc8 skips the cross-lane row max unless a lane's score beats the
+    running max.  Key norms that grow along the sequence (x60) make the
+    max rise in nearly every tile, so the rescaling path runs tile after
+    tile; falling norms leave the first tile's max in place for the rest."""
+    if kernels.backend() != "cuda":
+        pytest.skip("tensor-core kernel: CUDA only")
+    monkeypatch.setenv("TQ_DECODE_IMPL", "tc8")
+    monkeypatch.setenv("TQ_TC8_BLOCKS", "4")
+    monkeypatch.setenv("TQ_TC8_NW", nw)
+    rng = np.random.default_rng(7)
+    B, H, n, d, bk, bv = 1, 2, 6000, 128, 3, 4
+    kw, _, ik = _packed_tensor(rng, B, H, n, d, bk, n)
+    vw, vn, iv = _packed_tensor(rng, B, H, n, d, bv, n)
+    ramp = np.linspace(0.1, 6.0, n) if rising else np.linspace(6.0, 0.1, n)
+    kn = np.broadcast_to(ramp, (B, H, n)).astype(np.float16)
+    ck = np.asarray(codebook(bk, d).centroids)
+    cv = np.asarray(codebook(bv, d).centroids)
+    q = rng.standard_normal((B, H, 4, d)) * 2.0
+    out, lse = kernels.decode(mx.array(q.astype(np.float32)), kw, mx.array(kn), vw, vn,
+                              mx.array(ck.astype(np.float32)), mx.array(cv.astype(np.float32)), n, bk, bv)
+    ro, rl = _reference_decode(q, ik, kn, iv, np.asarray(vn), ck, cv, n)
+    assert _rel(out, ro) < 4e-3
+    assert np.abs(np.asarray(lse) - rl).max() < 4e-2 * max(1.0, np.abs(rl).max())
+
+
+@gpu
+@pytest.mark.gpu
 @pytest.mark.parametrize("kv_bits", [2, 2.5, 3, 3.5, 4])
 @pytest.mark.parametrize("d,h_kv,g,L", [(128, 2, 4, 1), (64, 2, 1, 1), (128, 1, 8, 1), (128, 2, 2, 2)])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
