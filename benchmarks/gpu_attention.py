@@ -334,6 +334,59 @@ def bench_step_variants(n, results, shapes=STEP_SHAPES):
         os.environ.pop(key, None)
 
 
+_COPY_KERNEL = None
+
+
+def _copy_kernel():
+    """A custom kernel that only copies q (one thread per element): what any
+    ``mx.fast.cuda_kernel`` launch costs as a node of a dependent chain."""
+    global _COPY_KERNEL
+    if _COPY_KERNEL is None:
+        make = mx.fast.metal_kernel if kernels.backend() == "metal" else mx.fast.cuda_kernel
+        idx = ("thread_position_in_grid.x" if kernels.backend() == "metal"
+               else "blockIdx.x * blockDim.x + threadIdx.x")
+        _COPY_KERNEL = make(name="tq_floor_copy", input_names=["q", "z"], output_names=["out"],
+                            source=f"unsigned int i = {idx}; out[i] = q[i] + (z[0] ? 1.0f : 0.0f);")
+    return _COPY_KERNEL
+
+
+def bench_floor(n, results):
+    """Per-call time of a dependent chain for launches that do (almost) no
+    work: a bare custom-kernel copy of q, the same with a fresh zeroed input
+    (the one-launch step's counter node), fp16 SDPA and the one-launch step
+    on ``n`` tokens.  At 8k-32k tokens the decode table's chain figures sit
+    close to these floors: they say how much of a short-context step is
+    launch and evaluation overhead rather than attention."""
+    q = mx.random.normal((1, HQ, 1, D)).astype(mx.float16)
+    wk = mx.random.normal((1, HKV, 128, D)).astype(mx.float16)
+    z0 = mx.zeros((8,), mx.uint32)
+    kern = _copy_kernel()
+    batch = 64
+
+    def copy(x, z):
+        return kern(inputs=[x, z], grid=(x.size, 1, 1), threadgroup=(256, 1, 1),
+                    output_shapes=[x.shape], output_dtypes=[x.dtype])[0]
+
+    k, v = fp16_cache(n)
+    c = tq_cache(n, 3.5)
+    rows = {
+        "custom-kernel copy": lambda x, _: copy(x, z0),
+        "copy + zeros node": lambda x, _: copy(x, mx.zeros((8,), mx.uint32)),
+        f"fp16 sdpa {n}": lambda x, _: mx.fast.scaled_dot_product_attention(x, k, v, scale=SCALE),
+        f"tq 3.5 step {n}": lambda x, _: kernels.turboquant_attention(x, wk, wk, c, SCALE, None),
+    }
+    q32 = q.astype(mx.float32)  # the copy kernel's rows run on float32 (no half arithmetic in its source)
+    print(f"\n== per-call floor: ms per call, batch {batch} (eval only: independent calls; chained: dependent)")
+    out = {}
+    for name, f in rows.items():
+        x0 = q32 if name.startswith(("custom", "copy")) else q
+        t = timeit2([lambda f=f, x0=x0: f(x0, None)], batch=batch)
+        tc = timeit_chain(f, x0, [None], batch)
+        out[name] = (*t, tc)
+        print(f"  {name:<22} {t[0] * 1e3:.4f} ms  eval only {t[1] * 1e3:.4f} ms  chained {tc * 1e3:.4f} ms")
+    results.setdefault("floor", {})[n] = out
+
+
 class _CounterSource:
     """``mx`` for turboquant.kernels with ``zeros`` replaced, to measure what
     the one-launch step's split counters cost per call: "reused" hands out
@@ -569,6 +622,8 @@ def main() -> int:
                     help="lengths for the one-launch step's launch-shape sweep ('none' = skip)")
     ap.add_argument("--step-shapes", default=STEP_SHAPES,
                     help="VC32/PF/MINB/NW/blocks launch shapes the step sweep tries")
+    ap.add_argument("--floor", default="none",
+                    help="lengths for the per-call floor check ('none' = skip)")
     ap.add_argument("--prefill", default="128k", help="prefill length ('none' = skip)")
     ap.add_argument("--chunk", type=int, default=2048)
     ap.add_argument("--json", default="")
@@ -596,6 +651,9 @@ def main() -> int:
     if args.step_sweep not in ("", "none"):
         for length in args.step_sweep.split(","):
             bench_step_variants(parse_len(length), results, args.step_shapes)
+    if args.floor not in ("", "none"):
+        for length in args.floor.split(","):
+            bench_floor(parse_len(length), results)
     if args.batch_check not in ("", "none"):
         for length in args.batch_check.split(","):
             bench_batch(parse_len(length), results)

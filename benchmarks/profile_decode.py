@@ -1,4 +1,5 @@
-"""One 3.5-bit decode step at 512k tokens, for Nsight Compute.
+"""One 3.5-bit decode step at 512k tokens (``--tokens N`` for another
+length, e.g. 32k), for Nsight Compute.
 
 By default the one-launch step as a model runs it (``turboquant_attention``
 with a 128-token fp16 window: ``tq_decode_tc8_fused``); ``--kernel`` profiles
@@ -20,7 +21,8 @@ import mlx.core as mx  # noqa: E402
 
 from turboquant import kernels  # noqa: E402
 
-c = g.tq_cache(512 * 1024, 3.5)
+n = g.parse_len(sys.argv[sys.argv.index("--tokens") + 1]) if "--tokens" in sys.argv else 512 * 1024
+c = g.tq_cache(n, 3.5)
 if "--kernel" in sys.argv:
     q_rot = mx.random.normal((1, g.HKV, g.HQ // g.HKV, g.D)) * g.SCALE
     f = g.tq_decode_fn(c, q_rot)
