@@ -163,6 +163,18 @@ __device__ __forceinline__ void tq_load8(const T* p, float (&x)[8]) {
     x[2 * i + 1] = f.y;
   }
 }
+// 4 consecutive elements of an 8-byte-aligned (2-byte types) or
+// 16-byte-aligned (float) model-dtype row, as floats: one load.
+__device__ __forceinline__ void tq_load4(const float* p, float (&x)[4]) {
+  const float4 a = *reinterpret_cast<const float4*>(p);
+  x[0] = a.x; x[1] = a.y; x[2] = a.z; x[3] = a.w;
+}
+template <typename T>  // __half or __nv_bfloat16
+__device__ __forceinline__ void tq_load4(const T* p, float (&x)[4]) {
+  const uint2 u = *reinterpret_cast<const uint2*>(p);
+  const float2 a = tq_word_to_float2(p, u.x), b = tq_word_to_float2(p, u.y);
+  x[0] = a.x; x[1] = a.y; x[2] = b.x; x[3] = b.y;
+}
 // Store a float in the output's dtype.
 __device__ __forceinline__ void tq_store(float* p, float x) { *p = x; }
 __device__ __forceinline__ void tq_store(__half* p, float x) { *p = __float2half_rn(x); }
