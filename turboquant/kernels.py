@@ -397,6 +397,10 @@ def _tc8_config(d, rows, b_hkv, n, key_bits, value_bits, window, env) -> dict:
     nw = int(e_nw or 0) or (4 if value_bits == 3 else TC8_WARPS)
     step = 16 * nw
     target = int(e_blocks or 0) or TC8_BLOCKS
+    if window:  # the window's threadgroups count against the target: at 8
+        # warps (2 resident per SM) 264 packed + 8 window threadgroups left 8
+        # for a second wave, which the step then waited for
+        target -= b_hkv
     splits = max(1, -(-target // max(1, b_hkv)))
     toks = max(2 * step, -(-n // splits))  # >= 2 tiles per warp: the table copy amortizes
     toks = -(-toks // step) * step
