@@ -334,44 +334,50 @@ def bench_step_variants(n, results, shapes=STEP_SHAPES):
         os.environ.pop(key, None)
 
 
-_COPY_KERNEL = None
+_COPY_KERNELS: dict = {}
 
 
-def _copy_kernel():
-    """A custom kernel that only copies q (one thread per element): what any
-    ``mx.fast.cuda_kernel`` launch costs as a node of a dependent chain."""
-    global _COPY_KERNEL
-    if _COPY_KERNEL is None:
+def _copy_kernel(n_inputs: int = 2):
+    """A custom kernel that only copies q (one thread per element), reading
+    one word of each of its other ``n_inputs - 1`` inputs: what any
+    ``mx.fast.cuda_kernel`` launch with that many inputs costs as a node of
+    a dependent chain (the one-launch decode step takes 15)."""
+    if n_inputs not in _COPY_KERNELS:
         make = mx.fast.metal_kernel if kernels.backend() == "metal" else mx.fast.cuda_kernel
         idx = ("thread_position_in_grid.x" if kernels.backend() == "metal"
                else "blockIdx.x * blockDim.x + threadIdx.x")
-        _COPY_KERNEL = make(name="tq_floor_copy", input_names=["q", "z"], output_names=["out"],
-                            source=f"unsigned int i = {idx}; out[i] = q[i] + (z[0] ? 1.0f : 0.0f);")
-    return _COPY_KERNEL
+        names = ["q"] + [f"z{i}" for i in range(n_inputs - 1)]
+        flag = " + ".join(f"{n}[0]" for n in names[1:])
+        _COPY_KERNELS[n_inputs] = make(
+            name=f"tq_floor_copy{n_inputs}", input_names=names, output_names=["out"],
+            source=f"unsigned int i = {idx}; out[i] = q[i] + (({flag}) ? 1.0f : 0.0f);")
+    return _COPY_KERNELS[n_inputs]
 
 
 def bench_floor(n, results):
     """Per-call time of a dependent chain for launches that do (almost) no
     work: a bare custom-kernel copy of q, the same with a fresh zeroed input
-    (the one-launch step's counter node), fp16 SDPA and the one-launch step
+    (the one-launch step's counter node) and with 15 inputs (as many as the
+    step), fp16 SDPA and the one-launch step
     on ``n`` tokens.  At 8k-32k tokens the decode table's chain figures sit
     close to these floors: they say how much of a short-context step is
     launch and evaluation overhead rather than attention."""
     q = mx.random.normal((1, HQ, 1, D)).astype(mx.float16)
     wk = mx.random.normal((1, HKV, 128, D)).astype(mx.float16)
     z0 = mx.zeros((8,), mx.uint32)
-    kern = _copy_kernel()
+    zs = [mx.zeros((8,), mx.uint32) for _ in range(14)]
     batch = 64
 
-    def copy(x, z):
-        return kern(inputs=[x, z], grid=(x.size, 1, 1), threadgroup=(256, 1, 1),
-                    output_shapes=[x.shape], output_dtypes=[x.dtype])[0]
+    def copy(x, *z):
+        return _copy_kernel(1 + len(z))(inputs=[x, *z], grid=(x.size, 1, 1), threadgroup=(256, 1, 1),
+                                         output_shapes=[x.shape], output_dtypes=[x.dtype])[0]
 
     k, v = fp16_cache(n)
     c = tq_cache(n, 3.5)
     rows = {
         "custom-kernel copy": lambda x, _: copy(x, z0),
         "copy + zeros node": lambda x, _: copy(x, mx.zeros((8,), mx.uint32)),
+        "copy, 15 inputs": lambda x, _: copy(x, *zs),
         f"fp16 sdpa {n}": lambda x, _: mx.fast.scaled_dot_product_attention(x, k, v, scale=SCALE),
         f"tq 3.5 step {n}": lambda x, _: kernels.turboquant_attention(x, wk, wk, c, SCALE, None),
     }
@@ -379,7 +385,7 @@ def bench_floor(n, results):
     print(f"\n== per-call floor: ms per call, batch {batch} (eval only: independent calls; chained: dependent)")
     out = {}
     for name, f in rows.items():
-        x0 = q32 if name.startswith(("custom", "copy")) else q
+        x0 = q32 if "copy" in name else q
         t = timeit2([lambda f=f, x0=x0: f(x0, None)], batch=batch)
         tc = timeit_chain(f, x0, [None], batch)
         out[name] = (*t, tc)
