@@ -44,7 +44,9 @@ __device__ __forceinline__ unsigned int tq_pack_half_bits(T a, T b) {
 __device__ __forceinline__ float2 tq_unpack_half2(unsigned int u) {
   return __half22float2(*reinterpret_cast<__half2*>(&u));
 }
-// 32-bit shared-memory read at a byte offset from a shared array.
+// 32-bit shared-memory read at a byte offset from a shared array.  With a
+// __shared__ array and a constant added to the offset, nvcc folds both into
+// the LDS (LDS R, [R_off + UR_base + imm]): no base add per lookup.
 __device__ __forceinline__ unsigned int tq_lds(const unsigned int* smem_array, unsigned int byte_off) {
   return *reinterpret_cast<const unsigned int*>(reinterpret_cast<const char*>(smem_array) + byte_off);
 }
@@ -100,18 +102,6 @@ __device__ __forceinline__ unsigned int tq_movmatrix_trans(unsigned int x) {
 __device__ __forceinline__ unsigned int tq_atomic_inc(unsigned int* p) { return atomicAdd(p, 1u); }
 // Load that bypasses L1: the partials were written by other SMs.
 __device__ __forceinline__ float tq_load_cg(const float* p) { return __ldcg(p); }
-// 32-bit shared-space address of a shared array, and a 32-bit load from one
-// (the kernel ORs lane offsets into table addresses aligned to their size,
-// so a lookup is shift + LOP3 + LDS with no base add).
-__device__ __forceinline__ unsigned int tq_smem_addr(const void* p) {
-  return static_cast<unsigned int>(__cvta_generic_to_shared(p));
-}
-__device__ __forceinline__ unsigned int tq_lds_at(unsigned int addr) {
-  unsigned int v;
-  asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(v) : "r"(addr));
-  return v;
-}
-
 // Cache-code loads of the decode loop.  L2PF: with the L2::256B hint, so
 // a miss fetches the whole 256-byte block from DRAM (a warp's 16-token tile
 // is 0.75-1 KB of contiguous codes, all of it read within the tile).
