@@ -393,6 +393,28 @@ def bench_floor(n, results):
     results.setdefault("floor", {})[n] = out
 
 
+def bench_chain_batch(n, results, batches=(8, 32)):
+    """Chained per-call time against the number of chained calls per
+    evaluation, fp16 SDPA and the one-launch step: a cost paid once per
+    evaluation (building and launching the first CUDA graph before the GPU
+    starts) is spread over fewer calls in the decode table's long-context
+    rows (batch 8) than over a 32-layer model's attention calls per token."""
+    q = mx.random.normal((1, HQ, 1, D)).astype(mx.float16)
+    wk = mx.random.normal((1, HKV, 128, D)).astype(mx.float16)
+    k, v = fp16_cache(n)
+    c = tq_cache(n, 3.5)
+    fns = {"fp16 sdpa": lambda x, _: mx.fast.scaled_dot_product_attention(x, k, v, scale=SCALE),
+           "tq 3.5 whole step": lambda x, _: kernels.turboquant_attention(x, wk, wk, c, SCALE, None)}
+    print(f"\n== chained calls per evaluation at {n} tokens (ms per call)")
+    out = {}
+    for b in batches:
+        row = {name: timeit_chain(f, q, [None], b) for name, f in fns.items()}
+        out[b] = row
+        print(f"  batch {b:>3}: " + "  ".join(f"{k_} {t * 1e3:.4f}" for k_, t in row.items())
+              + f"  ({row['fp16 sdpa'] / row['tq 3.5 whole step']:.2f}x)")
+    results.setdefault("chain_batch", {})[n] = out
+
+
 class _CounterSource:
     """``mx`` for turboquant.kernels with ``zeros`` replaced, to measure what
     the one-launch step's split counters cost per call: "reused" hands out
@@ -628,6 +650,8 @@ def main() -> int:
                     help="lengths for the one-launch step's launch-shape sweep ('none' = skip)")
     ap.add_argument("--step-shapes", default=STEP_SHAPES,
                     help="VC32/PF/MINB/NW/blocks launch shapes the step sweep tries")
+    ap.add_argument("--chain-check", default="none",
+                    help="lengths for the chained-calls-per-evaluation check ('none' = skip)")
     ap.add_argument("--floor", default="none",
                     help="lengths for the per-call floor check ('none' = skip)")
     ap.add_argument("--prefill", default="128k", help="prefill length ('none' = skip)")
@@ -657,6 +681,9 @@ def main() -> int:
     if args.step_sweep not in ("", "none"):
         for length in args.step_sweep.split(","):
             bench_step_variants(parse_len(length), results, args.step_shapes)
+    if args.chain_check not in ("", "none"):
+        for length in args.chain_check.split(","):
+            bench_chain_batch(parse_len(length), results)
     if args.floor not in ("", "none"):
         for length in args.floor.split(","):
             bench_floor(parse_len(length), results)
