@@ -303,7 +303,7 @@ def bench_decode_variants(n, results, blocks_list=(264, 528, 1056)):
 # (the default until session 15), other threadgroup counts, the 16-copy
 # value table, two prefetched tiles (uncapped registers)
 STEP_SHAPES = "1/1/2/8/264,1/1/4/4/264,1/1/2/8/132,1/1/2/8/528,0/1/2/8/264,1/2/0/4/264"
-_SHAPE_ENV = ("TQ_TC8_VC32", "TQ_TC8_PF", "TQ_TC8_MINBLOCKS", "TQ_TC8_NW", "TQ_TC8_BLOCKS", "TQ_TC8_SWP")
+_SHAPE_ENV = ("TQ_TC8_VC32", "TQ_TC8_PF", "TQ_TC8_MINBLOCKS", "TQ_TC8_NW", "TQ_TC8_BLOCKS")
 
 
 def bench_step_variants(n, results, shapes=STEP_SHAPES):
@@ -319,11 +319,8 @@ def bench_step_variants(n, results, shapes=STEP_SHAPES):
     print(f"\n== one-launch decode step launch shapes at {n} tokens, 3.5-bit (batch {batch})")
     os.environ["TQ_DECODE_FUSED"] = "1"
     for shape in shapes.split(","):
-        fields = shape.split("/")  # a sixth field (SWP) is optional
-        for key in _SHAPE_ENV[len(fields):]:
-            os.environ.pop(key, None)
-        os.environ.update(zip(_SHAPE_ENV, fields))
-        tag = " ".join(f"{k[7:]}={v}" for k, v in zip(_SHAPE_ENV, fields))
+        os.environ.update(zip(_SHAPE_ENV, shape.split("/")))
+        tag = " ".join(f"{k[7:]}={v}" for k, v in zip(_SHAPE_ENV, shape.split("/")))
         try:
             t = timeit2([lambda c=c: kernels.turboquant_attention(q, wk, wk, c, SCALE, None) for c in cs],
                         batch=batch)
@@ -652,7 +649,7 @@ def main() -> int:
     ap.add_argument("--step-sweep", default="none",
                     help="lengths for the one-launch step's launch-shape sweep ('none' = skip)")
     ap.add_argument("--step-shapes", default=STEP_SHAPES,
-                    help="VC32/PF/MINB/NW/blocks[/SWP] launch shapes the step sweep tries")
+                    help="VC32/PF/MINB/NW/blocks launch shapes the step sweep tries")
     ap.add_argument("--chain-check", default="none",
                     help="lengths for the chained-calls-per-evaluation check ('none' = skip)")
     ap.add_argument("--floor", default="none",

@@ -385,12 +385,6 @@ def test_tc8_value_table_copies_follow_the_widths(monkeypatch):
     assert cfg["NW"] == kernels.TC8_WARPS and cfg["NW"] * cfg["MINB"] == 16  # 128 registers
     monkeypatch.setenv("TQ_TC8_VC32", "0")
     assert kernels.tc8_config(128, 4, 8, 4096, 3, 4)["VC32"] == 0
-    monkeypatch.delenv("TQ_TC8_SWP", raising=False)
-    assert dict(kernels.tc8_config(128, 4, 8, 4096, 3, 4)["TEMPLATE"])["SWP"] == kernels.TC8_SWP
-    monkeypatch.setenv("TQ_TC8_SWP", "1")
-    assert dict(kernels.tc8_config(128, 4, 8, 4096, 3, 4)["TEMPLATE"])["SWP"] == 1
-    monkeypatch.setenv("TQ_TC8_PF", "2")  # the pipelined loop has PF 1's two buffers
-    assert dict(kernels.tc8_config(128, 4, 8, 4096, 3, 4)["TEMPLATE"])["SWP"] == 0
 
 
 def test_decode_impl_choice(monkeypatch):

@@ -360,16 +360,13 @@ TC8_BLOCKS = 264  # threadgroups (2 per SM on 132 SMs): best of 264/528/1056 at 
 # 0.100 against 0.164 at 128k (H200 run 20, docs/benchmarks.md).  Timed as
 # independent calls, which MLX may run side by side, the two were equal.
 TC8_WARPS = 8
-# Software-pipelined tile loop (``TQ_TC8_SWP``): the next tile's scores in
-# the same basic block as this tile's values.  Off until measured.
-TC8_SWP = 0
 
 
 def _tc8_env() -> tuple:
     """The tc8 launch overrides, read once per call (the config is cached on them)."""
     g = getenv
     return (g("TQ_TC8_NW", ""), g("TQ_TC8_BLOCKS", ""), g("TQ_TC8_PF", ""),
-            g("TQ_TC8_VC32", ""), g("TQ_TC8_MINBLOCKS", ""), g("TQ_TC8_L2PF", ""), g("TQ_TC8_SWP", ""))
+            g("TQ_TC8_VC32", ""), g("TQ_TC8_MINBLOCKS", ""), g("TQ_TC8_L2PF", ""))
 
 
 def tc8_config(d: int, rows: int, b_hkv: int, n: int, key_bits: int = 3, value_bits: int = 4,
@@ -395,7 +392,7 @@ def tc8_config(d: int, rows: int, b_hkv: int, n: int, key_bits: int = 3, value_b
 
 @lru_cache(maxsize=4096)
 def _tc8_config(d, rows, b_hkv, n, key_bits, value_bits, window, env) -> dict:
-    e_nw, e_blocks, e_pf, e_vc32, e_minb, e_l2pf, e_swp = env
+    e_nw, e_blocks, e_pf, e_vc32, e_minb, e_l2pf = env
     l2pf = int(e_l2pf) if e_l2pf else TC8_L2PF
     nw = int(e_nw or 0) or (4 if value_bits == 3 else TC8_WARPS)
     step = 16 * nw
@@ -415,7 +412,6 @@ def _tc8_config(d, rows, b_hkv, n, key_bits, value_bits, window, env) -> dict:
     off_pm = off_po + b_hkv * slots * rows * d
     off_pl = off_pm + b_hkv * slots * rows
     pf = int(e_pf or 0) or 1
-    swp = int(bool(int(e_swp) if e_swp else TC8_SWP) and pf == 1)  # the pipelined loop has PF 1's buffers
     vc32 = int(e_vc32) if e_vc32 else 1
     vc32 = int(bool(vc32) and key_bits <= 3 and value_bits == 4)  # 48 KB of tables at most
     minb = int(e_minb) if e_minb else -1
@@ -426,7 +422,7 @@ def _tc8_config(d, rows, b_hkv, n, key_bits, value_bits, window, env) -> dict:
             "OFF_PL": off_pl, "WS": off_pl + b_hkv * slots * rows,
             # the launch arguments that follow from the above (built once, not per step)
             "TEMPLATE": [("D", d), ("BK", key_bits), ("BV", value_bits), ("NW", nw), ("PF", pf),
-                         ("VC32", vc32), ("L2PF", int(bool(l2pf))), ("SWP", swp)],
+                         ("VC32", vc32), ("L2PF", int(bool(l2pf)))],
             "PRELUDE": _launch_bounds(nw * 32, minb), "GRID_X": slots * nw * 32}
 
 
@@ -896,8 +892,7 @@ def compile_enabled() -> bool:
 # Settings read by the decode dispatch; a plan is only found again under the
 # same values (and the module switches below).
 _PLAN_ENV = ("TQ_KERNELS", "TQ_DECODE_IMPL", "TQ_DECODE_FUSED", "TQ_DECODE_COMPILE", "TQ_TC8_NW",
-             "TQ_TC8_BLOCKS", "TQ_TC8_PF", "TQ_TC8_VC32", "TQ_TC8_MINBLOCKS", "TQ_TC8_L2PF",
-             "TQ_TC8_SWP")
+             "TQ_TC8_BLOCKS", "TQ_TC8_PF", "TQ_TC8_VC32", "TQ_TC8_MINBLOCKS", "TQ_TC8_L2PF")
 _PLAN_ENV_KEYS = tuple(n.encode() for n in _PLAN_ENV)
 _PLANS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # rotation -> {key: plan | None}
 
