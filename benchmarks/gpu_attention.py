@@ -185,6 +185,24 @@ def tq_decode_fn(c, q_rot):
     )[0]
 
 
+def fp16_step(x, kv):
+    """fp16 SDPA of queries ``x`` over one (keys, values) cache: the baseline
+    of every table."""
+    return mx.fast.scaled_dot_product_attention(x, kv[0], kv[1], scale=SCALE)
+
+
+def window_keys() -> mx.array:
+    """The exact fp16 window (128 recent tokens, used as keys and values)
+    that the whole-step rows attend besides the packed history."""
+    return mx.random.normal((1, HKV, 128, D)).astype(mx.float16)
+
+
+def whole_step(wk):
+    """``step(x, cache)``: the decode attention step as a model calls it,
+    ``turboquant_attention`` over a packed cache and the window ``wk``."""
+    return lambda x, c: kernels.turboquant_attention(x, wk, wk, c, SCALE, None)
+
+
 # ------------------------------------------------------------------ sections
 
 
@@ -203,7 +221,6 @@ def bench_decode(lengths, results, bw):
     print("   chain ms: evaluation only, each call's query = the previous call's output (as a model's layers);")
     print("   GB/s and % copy (of the copy rate above) from chain ms")
     print(hdr)
-    fp16_step = lambda x, c: mx.fast.scaled_dot_product_attention(x, c[0], c[1], scale=SCALE)  # noqa: E731
     for n in lengths:
         row = {}
         # One batch size for every method at this length (the largest copy
@@ -242,24 +259,21 @@ def bench_decode(lengths, results, bw):
                     row[label] = (t, timeit_chain(kernel_step, q_rot, cs, batch), c0.nbytes)
                     os.environ.pop("TQ_DECODE_IMPL")
             if kv_bits == 3.5:  # whole attention: rotations, 128-token window, merge
-                wk = mx.random.normal((1, HKV, 128, D)).astype(mx.float16)
-
-                def whole_step(x, c):
-                    return kernels.turboquant_attention(x, wk, wk, c, SCALE, None)
-
-                full = [lambda c=c: whole_step(q, c) for c in cs]
+                wk = window_keys()
+                step = whole_step(wk)
+                full = [lambda c=c: step(q, c) for c in cs]
                 os.environ["TQ_DECODE_FUSED"] = "1"
                 for label, env in {"tq 3.5 whole step": {}, **STEP_ROWS}.items():
                     os.environ.update(env)
                     try:  # one launch (tq_decode_tc8_fused) where it applies
-                        row[label] = (timeit2(full, batch=batch), timeit_chain(whole_step, q, cs, batch),
+                        row[label] = (timeit2(full, batch=batch), timeit_chain(step, q, cs, batch),
                                       c0.nbytes + 2 * wk.nbytes)
                     except Exception as e:  # noqa: BLE001  (keep the rest of the table)
                         print(f"  {label} failed at {n}: {e}")
                     for key in env:
                         os.environ.pop(key)
                 os.environ["TQ_DECODE_FUSED"] = "0"
-                row["tq 3.5 step, op-by-op"] = (timeit2(full, batch=batch), timeit_chain(whole_step, q, cs, batch),
+                row["tq 3.5 step, op-by-op"] = (timeit2(full, batch=batch), timeit_chain(step, q, cs, batch),
                                                 c0.nbytes + 2 * wk.nbytes)  # the kernel + ~20 MLX ops around it
                 os.environ.pop("TQ_DECODE_FUSED")
             del cs, c0
@@ -312,7 +326,7 @@ def bench_step_variants(n, results, shapes=STEP_SHAPES):
     threadgroup's fixed work (copying the pair tables into shared memory,
     rotating q) weighs more; at long ones the bytes in flight per SM decide."""
     q = mx.random.normal((1, HQ, 1, D)).astype(mx.float16)
-    wk = mx.random.normal((1, HKV, 128, D)).astype(mx.float16)
+    step = whole_step(window_keys())
     c0 = tq_cache(n, 3.5)
     cs = [c0] + [tq_cache(n, 3.5, seed=i + 1) for i in range(copies_for(c0.nbytes) - 1)]
     batch = max(8, copies_for(tq_cache_bytes(n, 2.5)))  # as in the decode table
@@ -322,9 +336,8 @@ def bench_step_variants(n, results, shapes=STEP_SHAPES):
         os.environ.update(zip(_SHAPE_ENV, shape.split("/")))
         tag = " ".join(f"{k[7:]}={v}" for k, v in zip(_SHAPE_ENV, shape.split("/")))
         try:
-            t = timeit2([lambda c=c: kernels.turboquant_attention(q, wk, wk, c, SCALE, None) for c in cs],
-                        batch=batch)
-            tc = timeit_chain(lambda x, c: kernels.turboquant_attention(x, wk, wk, c, SCALE, None), q, cs, batch)
+            t = timeit2([lambda c=c: step(q, c) for c in cs], batch=batch)
+            tc = timeit_chain(step, q, cs, batch)
         except Exception as e:  # noqa: BLE001
             print(f"  {tag}: failed {e}")
             continue
@@ -363,7 +376,6 @@ def bench_floor(n, results):
     close to these floors: they say how much of a short-context step is
     launch and evaluation overhead rather than attention."""
     q = mx.random.normal((1, HQ, 1, D)).astype(mx.float16)
-    wk = mx.random.normal((1, HKV, 128, D)).astype(mx.float16)
     z0 = mx.zeros((8,), mx.uint32)
     zs = [mx.zeros((8,), mx.uint32) for _ in range(14)]
     batch = 64
@@ -372,22 +384,19 @@ def bench_floor(n, results):
         return _copy_kernel(1 + len(z))(inputs=[x, *z], grid=(x.size, 1, 1), threadgroup=(256, 1, 1),
                                          output_shapes=[x.shape], output_dtypes=[x.dtype])[0]
 
-    k, v = fp16_cache(n)
-    c = tq_cache(n, 3.5)
-    rows = {
-        "custom-kernel copy": lambda x, _: copy(x, z0),
-        "copy + zeros node": lambda x, _: copy(x, mx.zeros((8,), mx.uint32)),
-        "copy, 15 inputs": lambda x, _: copy(x, *zs),
-        f"fp16 sdpa {n}": lambda x, _: mx.fast.scaled_dot_product_attention(x, k, v, scale=SCALE),
-        f"tq 3.5 step {n}": lambda x, _: kernels.turboquant_attention(x, wk, wk, c, SCALE, None),
-    }
     q32 = q.astype(mx.float32)  # the copy kernel's rows run on float32 (no half arithmetic in its source)
+    rows = {  # name: (step(x, cache), its one cache, first query)
+        "custom-kernel copy": (lambda x, _: copy(x, z0), None, q32),
+        "copy + zeros node": (lambda x, _: copy(x, mx.zeros((8,), mx.uint32)), None, q32),
+        "copy, 15 inputs": (lambda x, _: copy(x, *zs), None, q32),
+        f"fp16 sdpa {n}": (fp16_step, fp16_cache(n), q),
+        f"tq 3.5 step {n}": (whole_step(window_keys()), tq_cache(n, 3.5), q),
+    }
     print(f"\n== per-call floor: ms per call, batch {batch} (eval only: independent calls; chained: dependent)")
     out = {}
-    for name, f in rows.items():
-        x0 = q32 if "copy" in name else q
-        t = timeit2([lambda f=f, x0=x0: f(x0, None)], batch=batch)
-        tc = timeit_chain(f, x0, [None], batch)
+    for name, (f, c, x0) in rows.items():
+        t = timeit2([lambda f=f, c=c, x0=x0: f(x0, c)], batch=batch)
+        tc = timeit_chain(f, x0, [c], batch)
         out[name] = (*t, tc)
         print(f"  {name:<22} {t[0] * 1e3:.4f} ms  eval only {t[1] * 1e3:.4f} ms  chained {tc * 1e3:.4f} ms")
     results.setdefault("floor", {})[n] = out
@@ -400,15 +409,12 @@ def bench_chain_batch(n, results, batches=(8, 32)):
     starts) is spread over fewer calls in the decode table's long-context
     rows (batch 8) than over a 32-layer model's attention calls per token."""
     q = mx.random.normal((1, HQ, 1, D)).astype(mx.float16)
-    wk = mx.random.normal((1, HKV, 128, D)).astype(mx.float16)
-    k, v = fp16_cache(n)
-    c = tq_cache(n, 3.5)
-    fns = {"fp16 sdpa": lambda x, _: mx.fast.scaled_dot_product_attention(x, k, v, scale=SCALE),
-           "tq 3.5 whole step": lambda x, _: kernels.turboquant_attention(x, wk, wk, c, SCALE, None)}
+    fns = {"fp16 sdpa": (fp16_step, fp16_cache(n)),
+           "tq 3.5 whole step": (whole_step(window_keys()), tq_cache(n, 3.5))}
     print(f"\n== chained calls per evaluation at {n} tokens (ms per call)")
     out = {}
     for b in batches:
-        row = {name: timeit_chain(f, q, [None], b) for name, f in fns.items()}
+        row = {name: timeit_chain(f, q, [c], b) for name, (f, c) in fns.items()}
         out[b] = row
         print(f"  batch {b:>3}: " + "  ".join(f"{k_} {t * 1e3:.4f}" for k_, t in row.items())
               + f"  ({row['fp16 sdpa'] / row['tq 3.5 whole step']:.2f}x)")
@@ -445,7 +451,7 @@ def bench_counter_node(n, results):
     default: one fill node + the kernel), with one reused array (the kernel
     alone) and with host-built zeros: what the counters cost per call."""
     q = mx.random.normal((1, HQ, 1, D)).astype(mx.float16)
-    wk = mx.random.normal((1, HKV, 128, D)).astype(mx.float16)
+    step = whole_step(window_keys())
     cs = [tq_cache(n, 3.5, seed=i) for i in range(copies_for(tq_cache_bytes(n, 3.5)))]
     os.environ["TQ_DECODE_FUSED"] = "1"
     out = {}
@@ -456,8 +462,7 @@ def bench_counter_node(n, results):
             if name != "fresh":
                 kernels.mx = _CounterSource(name)
             try:
-                t = timeit([lambda c=c: kernels.turboquant_attention(q, wk, wk, c, SCALE, None) for c in cs],
-                           batch=batch)
+                t = timeit([lambda c=c: step(q, c) for c in cs], batch=batch)
             finally:
                 kernels.mx = saved
             out[f"{name}/{batch}"] = t
@@ -474,12 +479,11 @@ def bench_batch(n, results):
     q_rot = (q.astype(mx.float32) * SCALE).reshape(1, HKV, HQ // HKV, D)
     caches = [fp16_cache(n) for _ in range(copies_for(2 * HKV * n * D * 2))]
     tqs = [tq_cache(n, 3.5, seed=i) for i in range(copies_for(caches[0][0].nbytes // 4))]
-    wk = mx.random.normal((1, HKV, 128, D)).astype(mx.float16)
+    step = whole_step(window_keys())
     fns = {
-        "fp16 sdpa": [lambda c=c: mx.fast.scaled_dot_product_attention(q, c[0], c[1], scale=SCALE)
-                      for c in caches],
+        "fp16 sdpa": [lambda c=c: fp16_step(q, c) for c in caches],
         "tq 3.5 kernel": [tq_decode_fn(c, q_rot) for c in tqs],
-        "tq 3.5 whole step": [lambda c=c: kernels.turboquant_attention(q, wk, wk, c, SCALE, None) for c in tqs],
+        "tq 3.5 whole step": [lambda c=c: step(q, c) for c in tqs],
     }
     os.environ["TQ_DECODE_FUSED"] = "1"  # the one-launch step
     print(f"\n== calls per evaluation at {n} tokens (ms per call; x = fp16 time / this)")

@@ -48,10 +48,11 @@ def main() -> int:
     args = ap.parse_args()
     n = ga.parse_len(args.tokens)
     q = mx.random.normal((1, ga.HQ, 1, ga.D)).astype(mx.float16)
-    wk = mx.random.normal((1, ga.HKV, 128, ga.D)).astype(mx.float16)
+    wk = ga.window_keys()
     k, v = ga.fp16_cache(n)
     c = ga.tq_cache(n, 3.5)
-    step = lambda: kernels.turboquant_attention(q, wk, wk, c, ga.SCALE, None)  # noqa: E731
+    whole = ga.whole_step(wk)
+    step = lambda: whole(q, c)  # noqa: E731
     os.environ["TQ_DECODE_COMPILE"] = "1"
     ref = step()
     mx.eval(ref)

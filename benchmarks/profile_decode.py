@@ -14,12 +14,9 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import gpu_attention as g  # noqa: E402
 import mlx.core as mx  # noqa: E402
-
-from turboquant import kernels  # noqa: E402
 
 n = g.parse_len(sys.argv[sys.argv.index("--tokens") + 1]) if "--tokens" in sys.argv else 512 * 1024
 c = g.tq_cache(n, 3.5)
@@ -28,10 +25,10 @@ if "--kernel" in sys.argv:
     f = g.tq_decode_fn(c, q_rot)
 else:
     q = mx.random.normal((1, g.HQ, 1, g.D)).astype(mx.float16)
-    wk = mx.random.normal((1, g.HKV, 128, g.D)).astype(mx.float16)
+    step = g.whole_step(g.window_keys())
 
     def f():
-        return kernels.turboquant_attention(q, wk, wk, c, g.SCALE, None)
+        return step(q, c)
 for _ in range(3):
     mx.eval(f())
 mx.synchronize()
