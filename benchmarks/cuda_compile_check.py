@@ -25,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from turboquant.kernels import _SIGNATURES, compact_source, kernel_source  # noqa: E402
+from turboquant.kernels import _SIGNATURES, _launch_bounds, compact_source, kernel_source  # noqa: E402
 
 _CUDA_TYPES = {"float32": "float", "float16": "__half", "bfloat16": "__nv_bfloat16",
                "uint32": "uint32_t", "int32": "int32_t"}
@@ -41,9 +41,11 @@ _MLX_DEFAULT_HEADER = """
 
 
 def mlx_cuda_source(name: str, in_types: list[str], out_types: list[str],
-                    template: list[tuple[str, object]]) -> str:
-    """The translation unit ``mx.fast.cuda_kernel`` builds (MLX 0.32 build_kernel)."""
-    header, body = (compact_source(x) for x in kernel_source(name, "cuda"))  # as _kernel passes them
+                    template: list[tuple[str, object]], prelude: str = "") -> str:
+    """The translation unit ``mx.fast.cuda_kernel`` builds (MLX 0.32 build_kernel);
+    ``prelude`` is what the dispatcher appends to the header (launch bounds)."""
+    header, body = kernel_source(name, "cuda")
+    header, body = compact_source(header + prelude), compact_source(body)  # as _kernel passes them
     inputs, outputs = _SIGNATURES[name]
     src = _MLX_DEFAULT_HEADER + header
     src += "namespace mlx::core::cu {\n\nnamespace cg = cooperative_groups;\n\n"
@@ -192,10 +194,8 @@ def dump_sass(spec: str, overrides: list[str], arch: str = "sm_90") -> int:
         k, v = kv.split("=")
         tmpl[k] = int(v)
     minb = tmpl.pop("MINB", 0)
-    src = mlx_cuda_source(name, ins, outs, list(tmpl.items())).replace(_MLX_DEFAULT_HEADER, _NVCC_PREAMBLE)
-    if minb:
-        src = src.replace("__global__ void custom_kernel",
-                          f"__global__ __launch_bounds__({32 * tmpl['NW']}, {minb}) void custom_kernel")
+    src = mlx_cuda_source(name, ins, outs, list(tmpl.items()), _launch_bounds(32 * tmpl["NW"], minb))
+    src = src.replace(_MLX_DEFAULT_HEADER, _NVCC_PREAMBLE)
     with tempfile.TemporaryDirectory() as d:
         cu, cubin = Path(d) / f"{name}.cu", Path(d) / f"{name}.cubin"
         cu.write_text(src)
