@@ -668,6 +668,24 @@ def test_tc8_long_splits_and_fused_reduction(monkeypatch, bits, blocks, nw, pf, 
 
 @gpu
 @pytest.mark.gpu
+@pytest.mark.parametrize("n", [5, 16, 100, 129, 1000, 3001])
+@pytest.mark.parametrize("nw", ["4", "8"])
+def test_tc8_every_tile_count_per_warp(monkeypatch, n, nw):
+    """The tile loop runs a warp's full tiles (prefetch unconditional, the
+    last one reloading itself), then its edge tile: with the shortest splits
+    (2 tiles per warp) warps get 0, 1 or 2 full tiles, with or without an
+    edge tile, and some get none at all."""
+    if kernels.backend() != "cuda":
+        pytest.skip("tensor-core kernel: CUDA only")
+    monkeypatch.setenv("TQ_DECODE_IMPL", "tc8")
+    monkeypatch.setenv("TQ_TC8_BLOCKS", "4096")  # as many splits as the minimum split length allows
+    monkeypatch.setenv("TQ_TC8_NW", nw)
+    cap = -(-n // 256) * 256
+    _check_decode(np.random.default_rng(n), 3, 4, B=1, H=2, cap=cap, n=n, rows=4, q_scale=2.0)
+
+
+@gpu
+@pytest.mark.gpu
 @pytest.mark.parametrize("rising", [True, False])
 @pytest.mark.parametrize("nw", ["4", "8"])
 def test_tc8_running_max_that_rises_every_tile(monkeypatch, rising, nw):
