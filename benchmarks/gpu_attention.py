@@ -207,9 +207,7 @@ def whole_step(wk):
 
 
 # extra rows of the one-launch step with other launch shapes (TQ_TC8_*)
-STEP_ROWS = {"tq 3.5 step, 4 warps": {"TQ_TC8_NW": "4", "TQ_TC8_MINBLOCKS": "4"},
-             "tq 3.5 step, 528 tgs": {"TQ_TC8_BLOCKS": "528"},
-             "tq 3.5 step, old loop": {"TQ_TC8_SB": "0"}}
+STEP_ROWS = {"tq 3.5 step, old loop": {"TQ_TC8_SB": "0"}}
 
 
 def bench_decode(lengths, results, bw):
