@@ -102,6 +102,14 @@ __device__ __forceinline__ unsigned int tq_movmatrix_trans(unsigned int x) {
 __device__ __forceinline__ unsigned int tq_atomic_inc(unsigned int* p) { return atomicAdd(p, 1u); }
 // Load that bypasses L1: the partials were written by other SMs.
 __device__ __forceinline__ float tq_load_cg(const float* p) { return __ldcg(p); }
+// Global -> shared copy of 16 bytes without a register round trip
+// (cp.async, sm_80+): a threadgroup's table copy goes out in one burst
+// while it does other work; tq_cp_async_wait_all() + a barrier before use.
+__device__ __forceinline__ void tq_cp_async16(void* smem_dst, const void* src) {
+  const unsigned int d = static_cast<unsigned int>(__cvta_generic_to_shared(smem_dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(d), "l"(src) : "memory");
+}
+__device__ __forceinline__ void tq_cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
 // Cache-code loads of the decode loop.  L2PF: with the L2::256B hint, so
 // a miss fetches the whole 256-byte block from DRAM (a warp's 16-token tile
 // is 0.75-1 KB of contiguous codes, all of it read within the tile).
