@@ -207,7 +207,7 @@ def whole_step(wk):
 
 
 # extra rows of the one-launch step with other launch shapes (TQ_TC8_*)
-STEP_ROWS = {"tq 3.5 step, sync tables": {"TQ_TC8_CPA": "0"}}
+STEP_ROWS: dict = {}
 
 
 def bench_decode(lengths, results, bw):

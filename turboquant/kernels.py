@@ -366,7 +366,7 @@ def _tc8_env() -> tuple:
     """The tc8 launch overrides, read once per call (the config is cached on them)."""
     g = getenv
     return (g("TQ_TC8_NW", ""), g("TQ_TC8_BLOCKS", ""), g("TQ_TC8_PF", ""),
-            g("TQ_TC8_VC32", ""), g("TQ_TC8_MINBLOCKS", ""), g("TQ_TC8_L2PF", ""), g("TQ_TC8_CPA", ""))
+            g("TQ_TC8_VC32", ""), g("TQ_TC8_MINBLOCKS", ""), g("TQ_TC8_L2PF", ""))
 
 
 def tc8_config(d: int, rows: int, b_hkv: int, n: int, key_bits: int = 3, value_bits: int = 4,
@@ -392,7 +392,7 @@ def tc8_config(d: int, rows: int, b_hkv: int, n: int, key_bits: int = 3, value_b
 
 @lru_cache(maxsize=4096)
 def _tc8_config(d, rows, b_hkv, n, key_bits, value_bits, window, env) -> dict:
-    e_nw, e_blocks, e_pf, e_vc32, e_minb, e_l2pf, e_cpa = env
+    e_nw, e_blocks, e_pf, e_vc32, e_minb, e_l2pf = env
     l2pf = int(e_l2pf) if e_l2pf else TC8_L2PF
     nw = int(e_nw or 0) or (4 if value_bits == 3 else TC8_WARPS)
     step = 16 * nw
@@ -423,7 +423,7 @@ def _tc8_config(d, rows, b_hkv, n, key_bits, value_bits, window, env) -> dict:
             "OFF_PL": off_pl, "WS": off_pl + b_hkv * slots * rows,
             # the launch arguments that follow from the above (built once, not per step)
             "TEMPLATE": [("D", d), ("BK", key_bits), ("BV", value_bits), ("NW", nw), ("PF", pf),
-                         ("VC32", vc32), ("L2PF", int(bool(l2pf))), ("CPA", int(e_cpa) if e_cpa else 1)],
+                         ("VC32", vc32), ("L2PF", int(bool(l2pf)))],
             "PRELUDE": _launch_bounds(nw * 32, minb), "GRID_X": slots * nw * 32}
 
 
@@ -893,8 +893,7 @@ def compile_enabled() -> bool:
 # Settings read by the decode dispatch; a plan is only found again under the
 # same values (and the module switches below).
 _PLAN_ENV = ("TQ_KERNELS", "TQ_DECODE_IMPL", "TQ_DECODE_FUSED", "TQ_DECODE_COMPILE", "TQ_TC8_NW",
-             "TQ_TC8_BLOCKS", "TQ_TC8_PF", "TQ_TC8_VC32", "TQ_TC8_MINBLOCKS", "TQ_TC8_L2PF",
-             "TQ_TC8_CPA")
+             "TQ_TC8_BLOCKS", "TQ_TC8_PF", "TQ_TC8_VC32", "TQ_TC8_MINBLOCKS", "TQ_TC8_L2PF")
 _PLAN_ENV_KEYS = tuple(n.encode() for n in _PLAN_ENV)
 _PLANS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # rotation -> {key: plan | None}
 
