@@ -70,10 +70,11 @@ _NVCC_PREAMBLE = """
 """
 
 
-def compile_nvcc(src: str, name: str, arch: str = "sm_90") -> tuple[bool, str]:
+def compile_nvcc(src: str, name: str, arch: str = "sm_90", cubin: str = "") -> tuple[bool, str]:
     """Compile with a local ``nvcc`` instead of NVRTC (no MLX headers needed:
     MLX's JIT preamble is replaced by the CUDA half/bfloat headers it pulls in).
-    Same ptxas report; what a developer machine without the MLX CUDA wheel has."""
+    Same ptxas report; what a developer machine without the MLX CUDA wheel has.
+    Writes the cubin to ``cubin`` if given."""
     import shutil
     import subprocess
     import tempfile
@@ -82,9 +83,9 @@ def compile_nvcc(src: str, name: str, arch: str = "sm_90") -> tuple[bool, str]:
     with tempfile.TemporaryDirectory() as d:
         path = Path(d) / f"{name}.cu"
         path.write_text(src)
+        out = ["-cubin", "-o", cubin] if cubin else ["-c", "-o", str(Path(d) / f"{name}.o")]
         r = subprocess.run(
-            [shutil.which("nvcc") or "nvcc", f"-arch={arch}", "-std=c++17", "-c", "-Xptxas", "-v",
-             "-o", str(Path(d) / f"{name}.o"), str(path)],
+            [shutil.which("nvcc") or "nvcc", f"-arch={arch}", "-std=c++17", "-Xptxas", "-v", *out, str(path)],
             capture_output=True, text=True,
         )
     return r.returncode == 0, r.stdout + r.stderr
@@ -94,7 +95,7 @@ def compile_cuda(src: str, name: str, arch: str = "sm_90", cubin: str = "") -> t
     """NVRTC-compile ``src``; returns (ok, log).  Writes the cubin to ``cubin`` if given
     (``cuobjdump --dump-sass`` reads it).  Without ``TQ_NVRTC_LIB``, uses nvcc."""
     if not os.environ.get("TQ_NVRTC_LIB"):
-        return compile_nvcc(src, name, arch)
+        return compile_nvcc(src, name, arch, cubin)
     lib = ctypes.CDLL(os.environ["TQ_NVRTC_LIB"])
     prog = ctypes.c_void_p()
     rc = lib.nvrtcCreateProgram(ctypes.byref(prog), src.encode(), f"{name}.cu".encode(),
@@ -178,11 +179,12 @@ CASES = [
 def dump_sass(spec: str, overrides: list[str], arch: str = "sm_90") -> int:
     """Print the SASS of one case: ``NAME[:INDEX]`` (the INDEX-th case of that
     kernel in CASES), template overrides ``K=V``; ``MINB=n`` adds the launch
-    bounds the dispatcher would (``__launch_bounds__(NW * 32, n)``).  Needs
-    ``nvcc`` and ``cuobjdump`` + ``nvdisasm`` on PATH (PyPI:
-    nvidia-cuda-cuobjdump, nvidia-cuda-nvdisasm).  Reading it is how a load
-    that undid the prefetch was found (a conversion right after the load:
-    docs/benchmarks.md, session 15)."""
+    bounds the dispatcher would (``__launch_bounds__(NW * 32, n)``).  Compiles
+    as :func:`compile_cuda` does (NVRTC if configured, else ``nvcc``); needs
+    ``cuobjdump`` + ``nvdisasm`` on PATH (PyPI: nvidia-cuda-cuobjdump,
+    nvidia-cuda-nvdisasm).  Reading it is how a load that undid the prefetch
+    was found (a conversion right after the load: docs/benchmarks.md,
+    session 15), and the scoreboard wait that did the same (session 17)."""
     import shutil
     import subprocess
     import tempfile
@@ -195,16 +197,13 @@ def dump_sass(spec: str, overrides: list[str], arch: str = "sm_90") -> int:
         tmpl[k] = int(v)
     minb = tmpl.pop("MINB", 0)
     src = mlx_cuda_source(name, ins, outs, list(tmpl.items()), _launch_bounds(32 * tmpl["NW"], minb))
-    src = src.replace(_MLX_DEFAULT_HEADER, _NVCC_PREAMBLE)
     with tempfile.TemporaryDirectory() as d:
-        cu, cubin = Path(d) / f"{name}.cu", Path(d) / f"{name}.cubin"
-        cu.write_text(src)
-        r = subprocess.run([shutil.which("nvcc") or "nvcc", f"-arch={arch}", "-std=c++17", "-cubin",
-                            "-Xptxas", "-v", "-o", str(cubin), str(cu)], capture_output=True, text=True)
-        print(r.stderr.strip(), file=sys.stderr)
-        if r.returncode:
+        cubin = str(Path(d) / f"{name}.cubin")
+        ok, log = compile_cuda(src, name, arch, cubin)
+        print(log.strip(), file=sys.stderr)
+        if not ok:
             return 1
-        return subprocess.run([shutil.which("cuobjdump") or "cuobjdump", "-sass", str(cubin)]).returncode
+        return subprocess.run([shutil.which("cuobjdump") or "cuobjdump", "-sass", cubin]).returncode
 
 
 def main() -> int:
