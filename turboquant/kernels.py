@@ -376,7 +376,7 @@ def tc8_config(d: int, rows: int, b_hkv: int, n: int, key_bits: int = 3, value_b
     Defaults from the H200 sweeps (docs/benchmarks.md): 8 warps, one tile
     prefetched (``PF``), ~264 threadgroups, and for 3-bit-or-narrower keys
     with 4-bit values the 32-copy value table (``VC32``: no bank conflicts,
-    40 KB of shared memory).  128 registers (``MINB`` = 2 resident
+    40 KB of tables in shared memory).  128 registers (``MINB`` = 2 resident
     threadgroups of 8 warps caps them) except for 3-bit values, which need
     ~168, run uncapped and keep 4 warps (8 would leave one threadgroup per
     SM).  Every split writes a partial state and the last one of its
