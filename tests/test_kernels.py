@@ -387,6 +387,18 @@ def test_tc8_value_table_copies_follow_the_widths(monkeypatch):
     assert kernels.tc8_config(128, 4, 8, 4096, 3, 4)["VC32"] == 0
 
 
+@pytest.mark.parametrize("b_hkv", [1, 2, 5, 7, 8, 24])
+def test_tc8_grid_is_at_most_one_wave(monkeypatch, b_hkv):
+    """The split count rounds down: packed splits plus the window's
+    threadgroups never pass the target (a straggler threadgroup would run
+    alone in a second wave)."""
+    for key in ("TQ_TC8_BLOCKS", "TQ_TC8_NW", "TQ_TC8_PF"):
+        monkeypatch.delenv(key, raising=False)
+    for window in (False, True):
+        cfg = kernels.tc8_config(128, 4, b_hkv, 1 << 19, 3, 4, window=window)
+        assert b_hkv * cfg["SLOTS"] <= max(kernels.TC8_BLOCKS, 2 * b_hkv)
+
+
 def test_decode_impl_choice(monkeypatch):
     monkeypatch.setattr(kernels, "backend", lambda: "cuda")
     monkeypatch.delenv("TQ_DECODE_IMPL", raising=False)

@@ -402,7 +402,7 @@ def _tc8_config(d, rows, b_hkv, n, key_bits, value_bits, window, env) -> dict:
         # window threadgroups left 8 for a second wave at 512k+ (ncu on the
         # H200: 199.4 us with 272, 200.2 with 264 -- no measurable cost then)
         target -= b_hkv
-    splits = max(1, -(-target // max(1, b_hkv)))
+    splits = max(1, target // max(1, b_hkv))  # rounded down: one wave, no straggler
     toks = max(2 * step, -(-n // splits))  # >= 2 tiles per warp: the table copy amortizes
     toks = -(-toks // step) * step
     S = -(-n // toks)
