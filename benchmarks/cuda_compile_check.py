@@ -12,7 +12,7 @@ Needs (paths via environment, all from PyPI wheels / the mlx-cuda wheel):
   TQ_MLX_INCLUDE      dir holding mlx/backend/cuda/device/*.cuh (the JIT
                       headers MLX embeds in libmlx.so) and cccl/
 
-  python benchmarks/cuda_compile_check.py
+  python benchmarks/cuda_compile_check.py [KERNEL ...]
   python benchmarks/cuda_compile_check.py --sass tq_decode_tc8_fused NW=8 MINB=2 > fused.sass
 """
 
@@ -159,6 +159,8 @@ CASES = [
     ("tq_decode_tc8", _TC_INS, ["float32"], [("D", 64), ("BK", 2), ("BV", 2), ("NW", 4), ("PF", 2), ("VC32", 0), ("L2PF", 0)]),
     ("tq_decode_tc8_fused", _fused_ins("float16"), ["float32", "float16"],
      [("D", 128), ("BK", 3), ("BV", 4), ("NW", 4), ("PF", 1), ("VC32", 1), ("L2PF", 1)]),
+    ("tq_decode_tc8_fused", _fused_ins("float16"), ["float32", "float16"],  # the default step
+     [("D", 128), ("BK", 3), ("BV", 4), ("NW", 8), ("PF", 1), ("VC32", 1), ("L2PF", 0), ("MINB", 2)]),
     ("tq_decode_tc8_fused", _fused_ins("bfloat16"), ["float32", "bfloat16"],
      [("D", 64), ("BK", 2), ("BV", 3), ("NW", 4), ("PF", 1), ("VC32", 0), ("L2PF", 0)]),
     ("tq_decode_tc8_fused", _fused_ins("float32"), ["float32", "float32"],
@@ -209,10 +211,16 @@ def dump_sass(spec: str, overrides: list[str], arch: str = "sm_90") -> int:
 def main() -> int:
     if len(sys.argv) > 2 and sys.argv[1] == "--sass":
         return dump_sass(sys.argv[2], sys.argv[3:])
+    only = set(sys.argv[1:])  # kernel names to compile (all if none)
     failed = 0
     for name, ins, outs, tmpl in CASES:
-        ok, log = compile_cuda(mlx_cuda_source(name, ins, outs, tmpl), name)
-        tag = ",".join(f"{k}={v}" for k, v in tmpl)
+        if only and name not in only:
+            continue
+        tmpl = dict(tmpl)
+        minb = tmpl.pop("MINB", 0)  # the register cap the dispatcher would set
+        prelude = _launch_bounds(32 * tmpl["NW"], minb) if minb else ""
+        ok, log = compile_cuda(mlx_cuda_source(name, ins, outs, list(tmpl.items()), prelude), name)
+        tag = ",".join(f"{k}={v}" for k, v in tmpl.items()) + (f",MINB={minb}" if minb else "")
         usage = [ln.strip() for ln in log.splitlines() if "registers" in ln or "spill" in ln]
         print(f"{'OK  ' if ok else 'FAIL'} {name} [{tag}] {' | '.join(usage)}")
         if not ok:
