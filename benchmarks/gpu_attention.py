@@ -653,6 +653,8 @@ def main() -> int:
                     help="lengths for the one-launch step's launch-shape sweep ('none' = skip)")
     ap.add_argument("--step-shapes", default=STEP_SHAPES,
                     help="VC32/PF/MINB/NW/blocks launch shapes the step sweep tries")
+    ap.add_argument("--step-rows", default="",
+                    help="extra whole-step rows in the decode table: 'LABEL:K=V,K=V;...' (TQ_TC8_* settings)")
     ap.add_argument("--chain-check", default="none",
                     help="lengths for the chained-calls-per-evaluation check ('none' = skip)")
     ap.add_argument("--floor", default="none",
@@ -667,6 +669,9 @@ def main() -> int:
         return 2
     print(f"backend: {be}, mlx {mx.__version__}, device {mx.default_device()}")
     results = {"backend": be}
+    for spec in filter(None, args.step_rows.split(";")):
+        label, _, env = spec.partition(":")
+        STEP_ROWS[f"tq 3.5 step {label}"] = dict(kv.split("=", 1) for kv in env.split(",") if kv)
     bw = copy_rate()
     results["copy_Bps"] = bw
     print(f"device copy rate (read + write): {bw / 1e12:.2f} TB/s")
