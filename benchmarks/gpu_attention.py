@@ -206,11 +206,17 @@ def whole_step(wk):
 # ------------------------------------------------------------------ sections
 
 
-# extra rows of the one-launch step with other launch shapes (TQ_TC8_*)
-STEP_ROWS: dict = {}
+def parse_step_rows(spec: str) -> dict:
+    """``--step-rows``: 'LABEL:K=V,K=V;...' -> {row label: environment}, extra
+    rows of the one-launch step with other launch settings (TQ_TC8_*)."""
+    rows = {}
+    for item in filter(None, spec.split(";")):
+        label, _, env = item.partition(":")
+        rows[f"tq 3.5 step {label}"] = dict(kv.split("=", 1) for kv in env.split(",") if kv)
+    return rows
 
 
-def bench_decode(lengths, results, bw):
+def bench_decode(lengths, results, bw, step_rows=None):
     q = mx.random.normal((1, HQ, 1, D)).astype(mx.float16)
     q_rot = (q.astype(mx.float32) * SCALE).reshape(1, HKV, HQ // HKV, D)
     hdr = (f"{'tokens':>8} {'method':<22} {'ms/token':>9} {'MB read':>9} {'vs fp16':>8}"
@@ -262,7 +268,7 @@ def bench_decode(lengths, results, bw):
                 step = whole_step(wk)
                 full = [lambda c=c: step(q, c) for c in cs]
                 os.environ["TQ_DECODE_FUSED"] = "1"
-                for label, env in {"tq 3.5 whole step": {}, **STEP_ROWS}.items():
+                for label, env in {"tq 3.5 whole step": {}, **(step_rows or {})}.items():
                     os.environ.update(env)
                     try:  # one launch (tq_decode_tc8_fused) where it applies
                         row[label] = (timeit2(full, batch=batch), timeit_chain(step, q, cs, batch),
@@ -669,13 +675,11 @@ def main() -> int:
         return 2
     print(f"backend: {be}, mlx {mx.__version__}, device {mx.default_device()}")
     results = {"backend": be}
-    for spec in filter(None, args.step_rows.split(";")):
-        label, _, env = spec.partition(":")
-        STEP_ROWS[f"tq 3.5 step {label}"] = dict(kv.split("=", 1) for kv in env.split(",") if kv)
     bw = copy_rate()
     results["copy_Bps"] = bw
     print(f"device copy rate (read + write): {bw / 1e12:.2f} TB/s")
-    bench_decode([parse_len(s) for s in args.lengths.split(",") if s], results, bw)
+    bench_decode([parse_len(s) for s in args.lengths.split(",") if s], results, bw,
+                 parse_step_rows(args.step_rows))
     if args.sweep not in ("", "none"):
         blocks_list = tuple(int(b) for b in args.sweep_blocks.split(","))
         for length in args.sweep.split(","):
