@@ -178,6 +178,13 @@ CASES = [
 ]
 
 
+def case_source(name: str, ins: list[str], outs: list[str], tmpl: dict) -> str:
+    """A case's translation unit; a ``MINB`` entry (popped from ``tmpl``) adds
+    the register cap the dispatcher sets (``__launch_bounds__(NW * 32, MINB)``)."""
+    minb = tmpl.pop("MINB", 0)
+    return mlx_cuda_source(name, ins, outs, list(tmpl.items()), _launch_bounds(32 * tmpl["NW"], minb))
+
+
 def dump_sass(spec: str, overrides: list[str], arch: str = "sm_90") -> int:
     """Print the SASS of one case: ``NAME[:INDEX]`` (the INDEX-th case of that
     kernel in CASES), template overrides ``K=V``; ``MINB=n`` adds the launch
@@ -197,8 +204,7 @@ def dump_sass(spec: str, overrides: list[str], arch: str = "sm_90") -> int:
     for kv in overrides:
         k, v = kv.split("=")
         tmpl[k] = int(v)
-    minb = tmpl.pop("MINB", 0)
-    src = mlx_cuda_source(name, ins, outs, list(tmpl.items()), _launch_bounds(32 * tmpl["NW"], minb))
+    src = case_source(name, ins, outs, tmpl)
     with tempfile.TemporaryDirectory() as d:
         cubin = str(Path(d) / f"{name}.cubin")
         ok, log = compile_cuda(src, name, arch, cubin)
@@ -216,11 +222,8 @@ def main() -> int:
     for name, ins, outs, tmpl in CASES:
         if only and name not in only:
             continue
-        tmpl = dict(tmpl)
-        minb = tmpl.pop("MINB", 0)  # the register cap the dispatcher would set
-        prelude = _launch_bounds(32 * tmpl["NW"], minb) if minb else ""
-        ok, log = compile_cuda(mlx_cuda_source(name, ins, outs, list(tmpl.items()), prelude), name)
-        tag = ",".join(f"{k}={v}" for k, v in tmpl.items()) + (f",MINB={minb}" if minb else "")
+        tag = ",".join(f"{k}={v}" for k, v in tmpl)
+        ok, log = compile_cuda(case_source(name, ins, outs, dict(tmpl)), name)
         usage = [ln.strip() for ln in log.splitlines() if "registers" in ln or "spill" in ln]
         print(f"{'OK  ' if ok else 'FAIL'} {name} [{tag}] {' | '.join(usage)}")
         if not ok:
