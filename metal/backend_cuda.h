@@ -9,6 +9,7 @@
 #define TQ_DEVICE                     // global pointers need no qualifier
 #define TQ_BARRIER() __syncthreads()
 #define TQ_SHFL_XOR(x, m) __shfl_xor_sync(0xffffffffu, (x), (m))
+#define TQ_SHFL(x, l) __shfl_sync(0xffffffffu, (x), (l))
 #define TQ_ANY(p) __any_sync(0xffffffffu, (p))
 #define TQ_EXP2(x) tq_ex2(x)
 #define TQ_LOG2(x) log2f(x)
@@ -98,8 +99,35 @@ __device__ __forceinline__ unsigned int tq_movmatrix_trans(unsigned int x) {
   return y;
 }
 #define TQ_FENCE_DEVICE() __threadfence()
-// Counter increment; returns the old value (which threadgroup came last).
-__device__ __forceinline__ unsigned int tq_atomic_inc(unsigned int* p) { return atomicAdd(p, 1u); }
+// Counter increment; returns the old value (which threadgroup came last,
+// which chunk a warp takes next).  For an atomic on an address it can prove
+// uniform, ptxas emits a warp-aggregated one (vote, one atomic, a shuffle
+// of the result), and that shuffle waits for the result at once, where the
+// chunk loop wants the round trip to overlap a chunk of tiles.  So the
+// address adds bit 0 of brev(%laneid), i.e. bit 31 of the lane id: always
+// 0, but per lane and not provably so (a per-warp value such as %clock64
+// is still uniform, and a plain shift of %laneid is seen through).
+__device__ __forceinline__ unsigned int tq_atomic_inc(unsigned int* p) {
+  unsigned int old;
+  asm volatile(
+      "{\n\t.reg .u32 z;\n\t.reg .u64 a;\n\t"
+      "mov.u32 z, %%laneid;\n\tbrev.b32 z, z;\n\tand.b32 z, z, 1;\n\t"
+      "cvt.u64.u32 a, z;\n\tadd.u64 a, a, %1;\n\tatom.global.add.u32 %0, [a], 1;\n\t}"
+      : "=r"(old) : "l"(p));
+  return old;
+}
+// The same on word i of p, the address formed at the atomic: in a loop,
+// the compiler would otherwise keep a 64-bit pointer live throughout.
+__device__ __forceinline__ unsigned int tq_atomic_inc_at(const unsigned int* p, int i) {
+  unsigned int old;
+  asm volatile(
+      "{\n\t.reg .u32 z;\n\t.reg .u64 a;\n\t"
+      "mov.u32 z, %%laneid;\n\tbrev.b32 z, z;\n\tand.b32 z, z, 1;\n\t"
+      "add.u32 z, z, %2;\n\tmul.wide.u32 a, z, 4;\n\tadd.u64 a, a, %1;\n\t"
+      "atom.global.add.u32 %0, [a], 1;\n\t}"
+      : "=r"(old) : "l"(p), "r"(i));
+  return old;
+}
 // Load that bypasses L1: the partials were written by other SMs.
 __device__ __forceinline__ float tq_load_cg(const float* p) { return __ldcg(p); }
 // Global -> shared copy of 16 bytes without a register round trip
@@ -110,6 +138,19 @@ __device__ __forceinline__ void tq_cp_async16(void* smem_dst, const void* src) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(d), "l"(src) : "memory");
 }
 __device__ __forceinline__ void tq_cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
+// Timeline probes (benchmarks/tg_timeline.py; compiled in only with
+// TQ_TIMELINE): the device's nanosecond clock (low word: one launch spans far
+// less than its 4.3 s wrap) and the SM a threadgroup runs on.
+__device__ __forceinline__ unsigned int tq_clock_ns() {
+  unsigned int t;
+  asm volatile("mov.u32 %0, %%globaltimer_lo;" : "=r"(t));
+  return t;
+}
+__device__ __forceinline__ unsigned int tq_smid() {
+  unsigned int v;
+  asm volatile("mov.u32 %0, %%smid;" : "=r"(v));
+  return v;
+}
 // Cache-code loads of the decode loop.  L2PF: with the L2::256B hint, so
 // a miss fetches the whole 256-byte block from DRAM (a warp's 16-token tile
 // is 0.75-1 KB of contiguous codes, all of it read within the tile).

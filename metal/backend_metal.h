@@ -11,6 +11,7 @@ using namespace metal;
 #define TQ_DEVICE device
 #define TQ_BARRIER() threadgroup_barrier(mem_flags::mem_threadgroup)
 #define TQ_SHFL_XOR(x, m) simd_shuffle_xor((x), (ushort)(m))
+#define TQ_SHFL(x, l) simd_shuffle((x), (ushort)(l))
 #define TQ_ANY(p) simd_any(p)
 #define TQ_EXP2(x) metal::exp2(x)
 #define TQ_LOG2(x) metal::log2(x)

@@ -142,13 +142,30 @@ def test_tc8_config_covers_all_tokens_and_lays_out_the_workspace(n, b_hkv, rows,
         assert abs(8 * cfg["S"] - kernels.TC8_BLOCKS) <= 8
     # counters | out | lse | po | pm | pl, disjoint and in order, 16-byte aligned starts
     S, d = cfg["S"], 128
-    spans = [(0, b_hkv), (cfg["OFF_OUT"], b_hkv * rows * d), (cfg["OFF_LSE"], b_hkv * rows),
+    spans = [(0, kernels.TC8_COUNTER_WORDS * b_hkv), (cfg["OFF_OUT"], b_hkv * rows * d), (cfg["OFF_LSE"], b_hkv * rows),
              (cfg["OFF_PO"], b_hkv * S * rows * d), (cfg["OFF_PM"], b_hkv * S * rows),
              (cfg["OFF_PL"], b_hkv * S * rows)]
     for (a, na), (b, _) in zip(spans, spans[1:]):
         assert a + na <= b
     assert spans[-1][0] + spans[-1][1] == cfg["WS"]
     assert cfg["OFF_OUT"] % 4 == 0 and cfg["OFF_PO"] % 4 == 0
+
+
+def test_tc8_counter_lines_and_dynamic_chunks_are_configured(monkeypatch):
+    # the kernel's counter stride is the workspace's / the counter input's
+    _, body = kernels.kernel_source("tq_decode_tc8", "cuda")
+    assert f"constexpr int CNT_WORDS = {kernels.TC8_COUNTER_WORDS};" in body
+    assert kernels.TC8_COUNTER_WORDS * 4 == 128  # a line per (batch, kv head)
+    for key in ("TQ_TC8_DYN", "TQ_TC8_PF"):
+        monkeypatch.delenv(key, raising=False)
+    tmpl = dict(kernels.tc8_config(128, 4, 8, 4096)["TEMPLATE"])
+    assert tmpl["DYN"] == kernels.TC8_DYN == 1  # dynamic chunks by default
+    monkeypatch.setenv("TQ_TC8_DYN", "0")
+    assert dict(kernels.tc8_config(128, 4, 8, 4096)["TEMPLATE"])["DYN"] == 0
+    monkeypatch.setenv("TQ_TC8_DYN", "1")
+    monkeypatch.setenv("TQ_TC8_PF", "2")  # the 3-buffer loop has no dynamic form
+    assert dict(kernels.tc8_config(128, 4, 8, 4096)["TEMPLATE"])["DYN"] == 0
+    assert "TQ_TC8_DYN" in kernels._PLAN_ENV  # a plan is not reused across the switch
 
 
 def test_fused_step_is_the_tc8_body_with_the_switch_on():
@@ -174,7 +191,7 @@ def test_tc8_fused_workspace_has_a_window_slot(n, b_hkv, rows, monkeypatch):
         assert b_hkv * plain["SLOTS"] <= kernels.TC8_BLOCKS
     d, slots = 128, cfg["SLOTS"]
     # counters | po | pm | pl (the output is its own array): disjoint, in order
-    spans = [(0, b_hkv), (cfg["OFF_PO"], b_hkv * slots * rows * d),
+    spans = [(0, kernels.TC8_COUNTER_WORDS * b_hkv), (cfg["OFF_PO"], b_hkv * slots * rows * d),
              (cfg["OFF_PM"], b_hkv * slots * rows), (cfg["OFF_PL"], b_hkv * slots * rows)]
     for (a, na), (b, _) in zip(spans, spans[1:]):
         assert a + na <= b
@@ -671,16 +688,20 @@ def test_tc8_long_splits_and_fused_reduction(monkeypatch, bits, blocks, nw, pf, 
 @pytest.mark.gpu
 @pytest.mark.parametrize("n", [5, 16, 100, 129, 1000, 3001])
 @pytest.mark.parametrize("nw", ["4", "8"])
-def test_tc8_every_tile_count_per_warp(monkeypatch, n, nw):
-    """The tile loop runs a warp's full tiles (prefetch unconditional, the
-    last one reloading itself), then its edge tile: with the shortest splits
-    (2 tiles per warp) warps get 0, 1 or 2 full tiles, with or without an
-    edge tile, and some get none at all."""
+@pytest.mark.parametrize("dyn", ["0", "1"])
+def test_tc8_every_tile_count_per_warp(monkeypatch, n, nw, dyn):
+    """Static splits (dyn 0): a warp's full tiles (prefetch unconditional,
+    the last one reloading itself), then its edge tile; with the shortest
+    splits (2 tiles per warp) warps get 0, 1 or 2 full tiles, with or
+    without an edge tile, and some get none at all.  Dynamic chunks (dyn 1):
+    warps with no first chunk, a last chunk drawn statically or from the
+    counter, a partial chunk of 5-31 tokens or none."""
     if kernels.backend() != "cuda":
         pytest.skip("tensor-core kernel: CUDA only")
     monkeypatch.setenv("TQ_DECODE_IMPL", "tc8")
     monkeypatch.setenv("TQ_TC8_BLOCKS", "4096")  # as many splits as the minimum split length allows
     monkeypatch.setenv("TQ_TC8_NW", nw)
+    monkeypatch.setenv("TQ_TC8_DYN", dyn)
     cap = -(-n // 256) * 256
     _check_decode(np.random.default_rng(n), 3, 4, B=1, H=2, cap=cap, n=n, rows=4, q_scale=2.0)
 
@@ -783,15 +804,18 @@ def test_fused_decode_step_dtypes_in_one_process(monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("blocks", ["2", "64", "264"])
 @pytest.mark.parametrize("nw", ["4", "8"])
-def test_fused_decode_step_long_history(monkeypatch, blocks, nw):
+@pytest.mark.parametrize("dyn", ["0", "1"])
+def test_fused_decode_step_long_history(monkeypatch, blocks, nw, dyn):
     """20,000 packed tokens: one packed split (+ the window's), 8 and ~33;
-    4 and 8 warps per threadgroup."""
+    4 and 8 warps per threadgroup; static splits and dynamic chunks (with
+    one threadgroup, its warps draw every chunk but their first)."""
     if kernels.backend() != "cuda":
         pytest.skip("tensor-core kernel: CUDA only")
     from turboquant.attention import turboquant_attention as reference
 
     monkeypatch.setenv("TQ_TC8_BLOCKS", blocks)
     monkeypatch.setenv("TQ_TC8_NW", nw)
+    monkeypatch.setenv("TQ_TC8_DYN", dyn)
     monkeypatch.setenv("TQ_DECODE_FUSED", "1")
     d, h_kv, g = 128, 2, 4
     cache = _filled_cache(3.5, d, h_kv, 20000, window=128)

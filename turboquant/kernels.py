@@ -360,13 +360,21 @@ TC8_BLOCKS = 264  # threadgroups (2 per SM on 132 SMs): best of 264/528/1056 at 
 # 0.100 against 0.164 at 128k (H200 run 20, docs/benchmarks.md).  Timed as
 # independent calls, which MLX may run side by side, the two were equal.
 TC8_WARPS = 8
+# Warps draw 32-token chunks from a counter (``DYN`` in tq_decode_tc8.inc)
+# instead of taking equal static splits, which finished 100-167 us apart
+# at 512k tokens (benchmarks/tg_timeline.py, H200).  ``TQ_TC8_DYN=0``: static.
+TC8_DYN = 1
+# Counter words per (batch, kv head): one 128-byte line (split counter, chunk
+# counter), so the heads' chunk counters do not share an L2 slice.  Must
+# match CNT_WORDS in tq_decode_tc8.inc.
+TC8_COUNTER_WORDS = 32
 
 
 def _tc8_env() -> tuple:
     """The tc8 launch overrides, read once per call (the config is cached on them)."""
     g = getenv
     return (g("TQ_TC8_NW", ""), g("TQ_TC8_BLOCKS", ""), g("TQ_TC8_PF", ""),
-            g("TQ_TC8_VC32", ""), g("TQ_TC8_MINBLOCKS", ""), g("TQ_TC8_L2PF", ""))
+            g("TQ_TC8_VC32", ""), g("TQ_TC8_MINBLOCKS", ""), g("TQ_TC8_L2PF", ""), g("TQ_TC8_DYN", ""))
 
 
 def tc8_config(d: int, rows: int, b_hkv: int, n: int, key_bits: int = 3, value_bits: int = 4,
@@ -379,9 +387,11 @@ def tc8_config(d: int, rows: int, b_hkv: int, n: int, key_bits: int = 3, value_b
     40 KB of tables in shared memory).  128 registers (``MINB`` = 2 resident
     threadgroups of 8 warps caps them) except for 3-bit values, which need
     ~168, run uncapped and keep 4 warps (8 would leave one threadgroup per
-    SM).  Every split writes a partial state and the last one of its
-    (batch, kv head) merges them, so the workspace holds: counters, the final
-    output and log-sum-exp, and the partials.  ``window``: the fused decode
+    SM).  With ``DYN`` (the default where ``PF`` = 1) the split count only
+    sizes the grid: warps draw 32-token chunks of their head from a counter.
+    Every split writes a partial state and the last one of its (batch, kv
+    head) merges them, so the workspace holds: counters (a 128-byte line per
+    (batch, kv head)), the final output and log-sum-exp, and the partials.  ``window``: the fused decode
     step (``tq_decode_tc8_fused``), whose extra threadgroup per (batch, kv
     head) attends over the window and writes partial slot ``S``
     (``SLOTS = S + 1``); it writes its output to its own array, so there is
@@ -392,7 +402,7 @@ def tc8_config(d: int, rows: int, b_hkv: int, n: int, key_bits: int = 3, value_b
 
 @lru_cache(maxsize=4096)
 def _tc8_config(d, rows, b_hkv, n, key_bits, value_bits, window, env) -> dict:
-    e_nw, e_blocks, e_pf, e_vc32, e_minb, e_l2pf = env
+    e_nw, e_blocks, e_pf, e_vc32, e_minb, e_l2pf, e_dyn = env
     l2pf = int(e_l2pf) if e_l2pf else TC8_L2PF
     nw = int(e_nw or 0) or (4 if value_bits == 3 else TC8_WARPS)
     step = 16 * nw
@@ -407,12 +417,13 @@ def _tc8_config(d, rows, b_hkv, n, key_bits, value_bits, window, env) -> dict:
     toks = -(-toks // step) * step
     S = -(-n // toks)
     slots = S + int(window)
-    off_out = -(-b_hkv // 4) * 4
+    off_out = TC8_COUNTER_WORDS * b_hkv  # a line of counters per (batch, kv head)
     off_lse = off_out + (0 if window else b_hkv * rows * d)
     off_po = -(-(off_lse + (0 if window else b_hkv * rows)) // 4) * 4
     off_pm = off_po + b_hkv * slots * rows * d
     off_pl = off_pm + b_hkv * slots * rows
     pf = int(e_pf or 0) or 1
+    dyn = int(bool(int(e_dyn) if e_dyn else TC8_DYN)) if pf == 1 else 0
     vc32 = int(e_vc32) if e_vc32 else 1
     vc32 = int(bool(vc32) and key_bits <= 3 and value_bits == 4)  # 48 KB of tables at most
     minb = int(e_minb) if e_minb else -1
@@ -423,7 +434,7 @@ def _tc8_config(d, rows, b_hkv, n, key_bits, value_bits, window, env) -> dict:
             "OFF_PL": off_pl, "WS": off_pl + b_hkv * slots * rows,
             # the launch arguments that follow from the above (built once, not per step)
             "TEMPLATE": [("D", d), ("BK", key_bits), ("BV", value_bits), ("NW", nw), ("PF", pf),
-                         ("VC32", vc32), ("L2PF", int(bool(l2pf)))],
+                         ("VC32", vc32), ("L2PF", int(bool(l2pf))), ("DYN", dyn)],
             "PRELUDE": _launch_bounds(nw * 32, minb), "GRID_X": slots * nw * 32}
 
 
@@ -819,7 +830,7 @@ class _StepPlan:
         m0 = mx.zeros((1,), mx.float32)  # stand-ins: only the dtypes name the kernel
         probe = [queries, cache.keys_packed, cache.keys_norms, cache.values_packed, cache.values_norms,
                  *self.tables, _meta(0), window_keys, window_values, self.signs, self.vsigns, m0, m0,
-                 mx.zeros((1,), mx.uint32)]
+                 mx.zeros((TC8_COUNTER_WORDS,), mx.uint32)]
         self.kernel = (_kernel_for("tq_decode_tc8_fused", cfg["PRELUDE"], probe,
                                    [mx.float32, queries.dtype]), cfg["TEMPLATE"])
 
@@ -851,7 +862,7 @@ class _StepPlan:
         def launch(q, kp, kn, vp, vn, meta, wk, wv, km, vm):
             return kernel(
                 inputs=[q, kp, kn, vp, vn, ktab, vtab, meta, wk, wv, signs, vsigns, km, vm,
-                        mx.zeros((bh,), mx.uint32)],  # split counters (the kernel resets them)
+                        mx.zeros((TC8_COUNTER_WORDS * bh,), mx.uint32)],  # counters (the kernel resets them)
                 template=template, grid=grid, threadgroup=tg, output_shapes=shapes,
                 output_dtypes=dtypes,
             )[1]  # no init_value: the kernel writes every element before reading it
@@ -893,7 +904,7 @@ def compile_enabled() -> bool:
 # Settings read by the decode dispatch; a plan is only found again under the
 # same values (and the module switches below).
 _PLAN_ENV = ("TQ_KERNELS", "TQ_DECODE_IMPL", "TQ_DECODE_FUSED", "TQ_DECODE_COMPILE", "TQ_TC8_NW",
-             "TQ_TC8_BLOCKS", "TQ_TC8_PF", "TQ_TC8_VC32", "TQ_TC8_MINBLOCKS", "TQ_TC8_L2PF")
+             "TQ_TC8_BLOCKS", "TQ_TC8_PF", "TQ_TC8_VC32", "TQ_TC8_MINBLOCKS", "TQ_TC8_L2PF", "TQ_TC8_DYN")
 _PLAN_ENV_KEYS = tuple(n.encode() for n in _PLAN_ENV)
 _PLANS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # rotation -> {key: plan | None}
 

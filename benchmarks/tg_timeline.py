@@ -1,0 +1,166 @@
+"""Where the one-launch decode step's time goes, threadgroup by threadgroup.
+
+Nsight Compute gives averages: at 512k tokens it sees the SMs active for
+~89% of the kernel's elapsed time, but not where the rest goes.  This
+script builds ``tq_decode_tc8_fused`` with ``TQ_TIMELINE`` (see
+metal/tq_decode_tc8.inc): thread 0 of every threadgroup stamps the device's
+nanosecond clock at entry, when the tables are in shared memory, when each
+warp leaves its tile loop, when its partial is written and (the last
+threadgroup of a kv head) when the merge is done.  From those stamps, per
+launch:
+
+* ramp: how long after the first threadgroup the last one started;
+* prologue: entry -> tables ready (table copy + query rotation);
+* loop: tables ready -> every warp of the threadgroup done, min / median /
+  max over the packed threadgroups, and the spread of warp finish times
+  inside one threadgroup;
+* finish: when the packed threadgroups wrote their partials (quantiles
+  from the first entry), and the tail from the last one to the end of the
+  last merge;
+* slot use: threadgroup-busy time over (resident slots x span), the figure
+  ncu's "SM active" approximates;
+* with ``--chain N``: the gap between one launch's end and the next one's
+  first threadgroup, N dependent launches in one evaluation (as a model's
+  layers call it; the counters' zero-fill node sits in between).
+
+  python3 benchmarks/tg_timeline.py --tokens 512k --chain 8
+  TQ_TC8_BLOCKS=528 python3 benchmarks/tg_timeline.py --tokens 512k
+
+Only on NVIDIA GPUs (the stamps are PTX special registers).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import gpu_attention as g  # noqa: E402
+import mlx.core as mx  # noqa: E402
+import numpy as np  # noqa: E402
+
+from turboquant import kernels as K  # noqa: E402
+
+
+def timeline_step(n: int, seed: int = 0):
+    """``launch(x) -> (stamps, out)``: the fused step over a random 512k-style
+    cache with the timeline compiled in, and the launch's slot count."""
+    c = g.tq_cache(n, 3.5, seed)
+    wk = g.window_keys()
+    q = mx.random.normal((1, g.HQ, 1, g.D)).astype(mx.float16)
+    plan = K._step_plan(q, wk, wk, c, g.SCALE)
+    if plan is None:
+        raise SystemExit("the one-launch step does not apply here (no CUDA GPU?)")
+    D, R, BH, kb, vb = plan.dims
+    cfg = K._tc8_config(D, R, BH, n, kb, vb, True, plan.env)
+    ws, slots = cfg["WS"], cfg["SLOTS"]
+    ntg = slots * BH
+    prelude = f"\n#define TQ_TIMELINE {ws}\n" + cfg["PRELUDE"]
+    m0 = mx.zeros((1,), mx.float32)
+    ktab, vtab = plan.tables
+    meta = K._meta(n, c.keys_packed.shape[2], cfg["TOKS"], g.HKV, slots, R, 0, 0, cfg["OFF_PO"],
+                   cfg["OFF_PM"], cfg["OFF_PL"], wk.shape[2], plan.scale_bits, 0, 0)
+    ins = [q, c.keys_packed, c.keys_norms, c.values_packed, c.values_norms, ktab, vtab, meta,
+           wk, wk, plan.signs, plan.vsigns, m0, m0, mx.zeros((K.TC8_COUNTER_WORDS * BH,), mx.uint32)]
+    kernel = K._kernel_for("tq_decode_tc8_fused", prelude, ins, [mx.float32, q.dtype])
+
+    def launch(x):
+        ins[0] = x
+        ins[-1] = mx.zeros((K.TC8_COUNTER_WORDS * BH,), mx.uint32)
+        w, out = kernel(inputs=list(ins), template=cfg["TEMPLATE"], grid=(cfg["GRID_X"], g.HKV, 1),
+                        threadgroup=(cfg["NW"] * 32, 1, 1), output_shapes=[(ws + 16 * ntg,), q.shape],
+                        output_dtypes=[mx.float32, q.dtype])
+        return w[ws:], out
+
+    return launch, q, slots, cfg
+
+
+def summarize(stamps: np.ndarray, slots: int, nw: int, resident: int) -> dict:
+    """One launch's figures from its [threadgroups, 16] stamp table (us)."""
+    tl = stamps.reshape(-1, 16).astype(np.int64)
+    t0 = tl[:, 1].min()
+    rel = lambda a: (a - t0) / 1e3  # noqa: E731  (ns -> us from the first entry)
+    sidx = np.arange(tl.shape[0]) % slots
+    packed = tl[sidx != slots - 1]
+    last = tl[tl[:, 5] != 0]
+    end = rel(last[:, 5]).max()
+    loop = (packed[:, 3] - packed[:, 2]) / 1e3
+    warp_end = packed[:, 8:8 + nw]
+    spread = (warp_end.max(1) - warp_end.min(1)) / 1e3
+    fin = rel(packed[:, 4])
+    busy = ((tl[:, 4] - tl[:, 1]) / 1e3).sum() + ((last[:, 5] - last[:, 4]) / 1e3).sum()
+    return {
+        "span": end, "ramp": rel(tl[:, 1]).max(),
+        "prologue": float(np.median((packed[:, 2] - packed[:, 1]) / 1e3)),
+        "loop_min": loop.min(), "loop_med": float(np.median(loop)), "loop_max": loop.max(),
+        "warp_spread_med": float(np.median(spread)), "warp_spread_max": spread.max(),
+        "fin_q10": float(np.quantile(fin, 0.1)), "fin_med": float(np.median(fin)), "fin_max": fin.max(),
+        "tail": end - fin.max(), "window_end": rel(tl[sidx == slots - 1][:, 4]).max(),
+        "slot_use": busy / (resident * end),
+        "sms": len(np.unique(tl[:, 0])), "first": t0, "end_abs": t0 + end * 1e3,
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--tokens", default="512k")
+    ap.add_argument("--chain", type=int, default=8, help="dependent launches per evaluation")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--save", default="", help="write the raw stamps ([evals, launches, threadgroups, 16]) to this .npy")
+    args = ap.parse_args()
+    n = g.parse_len(args.tokens)
+    launch, q, slots, cfg = timeline_step(n)
+    nw = cfg["NW"]
+    sms = 132
+    resident = sms * max(1, 16 // nw)  # 16 warps per SM at the 128-register cap
+    print(f"tq_decode_tc8_fused timeline, {n} tokens, {slots - 1} splits + window per kv head, "
+          f"{slots * g.HKV} threadgroups of {nw} warps, {cfg['TOKS']} tokens per split")
+    rows, raw = [], []
+    for rep in range(args.repeats + 1):
+        x, outs = q, []
+        for _ in range(args.chain):
+            st, x = launch(x)
+            outs.append(st)
+        h0 = time.time_ns()
+        mx.eval(outs, x)
+        mx.synchronize()
+        h1 = time.time_ns()
+        if rep == 0:
+            continue  # compile and warm-up
+        # the device clock usually follows the host's (the driver syncs it):
+        # then these say how long the evaluation ran before the first launch
+        # started and after the last one ended (low 32 bits, signed)
+        first = [summarize(np.asarray(st).view(np.uint32), slots, nw, resident) for st in (outs[0], outs[-1])]
+        wrap = lambda d: ((int(d) + (1 << 31)) % (1 << 32) - (1 << 31)) / 1e3  # noqa: E731
+        print(f"  eval {rep}: host {(h1 - h0) / 1e3:.1f} us; eval start -> first launch "
+              f"{wrap(first[0]['first'] - (h0 & 0xFFFFFFFF)):.1f} us, last launch end -> sync return "
+              f"{wrap((h1 & 0xFFFFFFFF) - first[1]['end_abs']):.1f} us (if the clocks agree)")
+        raw.append(np.stack([np.asarray(st).view(np.uint32) for st in outs]))
+        prev_end = None
+        for i, st in enumerate(outs):
+            s = summarize(np.asarray(st).view(np.uint32), slots, nw, resident)
+            s["gap"] = (s["first"] - prev_end) / 1e3 if prev_end is not None else float("nan")
+            prev_end = s["end_abs"]
+            s["call"] = i
+            rows.append(s)
+    keys = ["span", "gap", "ramp", "prologue", "loop_min", "loop_med", "loop_max", "warp_spread_med",
+            "warp_spread_max", "fin_q10", "fin_med", "fin_max", "tail", "window_end", "slot_use"]
+    print("per launch (us from the launch's first threadgroup; slot_use: busy / (resident slots x span)):")
+    print("  call " + " ".join(f"{k:>9}" for k in keys))
+    for s in rows:
+        print(f"  {s['call']:>4} " + " ".join(f"{s[k]:>9.2f}" if k != "slot_use" else f"{s[k]:>9.3f}"
+                                             for k in keys))
+    med = {k: float(np.nanmedian([s[k] for s in rows])) for k in keys}
+    print("  med  " + " ".join(f"{med[k]:>9.2f}" if k != "slot_use" else f"{med[k]:>9.3f}" for k in keys))
+    print(f"  SMs used: {rows[-1]['sms']}")
+    if args.save:
+        np.save(args.save, np.stack(raw).reshape(len(raw), args.chain, -1, 16))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
