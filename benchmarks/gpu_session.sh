@@ -4,10 +4,12 @@
 # benchmark.  Logs go to $OUT.  Each step continues after a failure so the
 # benchmark runs even if a test fails.
 #   call 1 (carry .whl/a):  mkdir -p /root/stash && cp .whl/a/* /root/stash/
-#   call 2 (carry .whl/b):  bash benchmarks/gpu_session.sh [all|tests|bench|tb|profile]  (tb = tests + bench)
+#   call 2 (carry .whl/b):  bash benchmarks/gpu_session.sh [all|tests|bench|tb|profile|timeline]  (tb = tests + bench)
 # Environment: PYTEST_K (pytest -k filter), TEST_TIMEOUT / BENCH_TIMEOUT
 # (seconds, default 240 / 300), BENCH_ARGS (extra gpu_attention.py flags),
-# NCU_VARIANTS / NCU_ARGS / NCU_TIMEOUT (profile: see below).
+# NCU_VARIANTS / NCU_ARGS / NCU_TIMEOUT (profile: see below), TL_VARIANTS /
+# TL_ARGS (timeline: benchmarks/tg_timeline.py once per ';'-separated
+# environment setting, e.g. "TQ_TC8_DYN=1;TQ_TC8_DYN=0").
 set -x
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 what="${1:-all}"
@@ -50,6 +52,16 @@ if [ "$what" = all ] || [ "$what" = profile ]; then
       python3 benchmarks/profile_decode.py $NCU_ARGS > "$OUT/ncu_$i.txt" 2>&1
     grep -E "Duration|Registers Per|Grid Size|Achieved Active|Issued Warp|Eligible Warps|Cycles Per Issued|DRAM Through|L1/TEX Cache|Executed Instructions  |stalled" "$OUT/ncu_$i.txt" \
       | grep -v -E " 0(\.0+)?$" | tee -a "$OUT/ncu.txt"
+  done
+fi
+if [ "$what" = timeline ]; then
+  IFS=';' read -r -a variants <<< "${TL_VARIANTS:-TQ_TC8_DYN=1}"
+  i=0
+  for v in "${variants[@]}"; do
+    i=$((i + 1))
+    echo "== timeline variant $i: $v" | tee -a "$OUT/timeline.txt"
+    env $v timeout "${TL_TIMEOUT:-120}" python3 benchmarks/tg_timeline.py --save "$OUT/timeline_$i.npy" \
+      ${TL_ARGS:---tokens 512k --chain 8 --repeats 1} 2>&1 | tee -a "$OUT/timeline.txt"
   done
 fi
 echo "session done"

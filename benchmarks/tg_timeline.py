@@ -118,7 +118,8 @@ def main() -> int:
     sms = 132
     resident = sms * max(1, 16 // nw)  # 16 warps per SM at the 128-register cap
     print(f"tq_decode_tc8_fused timeline, {n} tokens, {slots - 1} splits + window per kv head, "
-          f"{slots * g.HKV} threadgroups of {nw} warps, {cfg['TOKS']} tokens per split")
+          f"{slots * g.HKV} threadgroups of {nw} warps, {cfg['TOKS']} tokens per split, "
+          f"{'dynamic 32-token chunks' if dict(cfg['TEMPLATE'])['DYN'] else 'static splits'}")
     rows, raw = [], []
     for rep in range(args.repeats + 1):
         x, outs = q, []
