@@ -99,25 +99,16 @@ __device__ __forceinline__ unsigned int tq_movmatrix_trans(unsigned int x) {
   return y;
 }
 #define TQ_FENCE_DEVICE() __threadfence()
-// Counter increment; returns the old value (which threadgroup came last,
-// which chunk a warp takes next).  For an atomic on an address it can prove
-// uniform, ptxas emits a warp-aggregated one (vote, one atomic, a shuffle
-// of the result), and that shuffle waits for the result at once, where the
-// chunk loop wants the round trip to overlap a chunk of tiles.  So the
-// address adds bit 0 of brev(%laneid), i.e. bit 31 of the lane id: always
-// 0, but per lane and not provably so (a per-warp value such as %clock64
-// is still uniform, and a plain shift of %laneid is seen through).
-__device__ __forceinline__ unsigned int tq_atomic_inc(unsigned int* p) {
-  unsigned int old;
-  asm volatile(
-      "{\n\t.reg .u32 z;\n\t.reg .u64 a;\n\t"
-      "mov.u32 z, %%laneid;\n\tbrev.b32 z, z;\n\tand.b32 z, z, 1;\n\t"
-      "cvt.u64.u32 a, z;\n\tadd.u64 a, a, %1;\n\tatom.global.add.u32 %0, [a], 1;\n\t}"
-      : "=r"(old) : "l"(p));
-  return old;
-}
-// The same on word i of p, the address formed at the atomic: in a loop,
-// the compiler would otherwise keep a 64-bit pointer live throughout.
+// Increments word i of p; returns the old value (which threadgroup came
+// last, which chunk a warp takes next).  The address is formed in the
+// atomic (in a loop the compiler would otherwise keep a 64-bit pointer live
+// throughout) and adds bit 0 of brev(%laneid), i.e. bit 31 of the lane id:
+// always 0, but per lane and not provably so.  For an atomic on an address
+// it can prove uniform, ptxas emits a warp-aggregated one (vote, one
+// atomic, a shuffle of the result) whose shuffle waits for the result at
+// once, where the chunk loop wants the round trip to overlap two tiles (a
+// per-warp value such as %clock64 is still uniform, and a plain shift of
+// %laneid is seen through).
 __device__ __forceinline__ unsigned int tq_atomic_inc_at(const unsigned int* p, int i) {
   unsigned int old;
   asm volatile(
