@@ -183,8 +183,9 @@ CASES = [
 def case_source(name: str, ins: list[str], outs: list[str], tmpl: dict) -> str:
     """A case's translation unit; a ``MINB`` entry (popped from ``tmpl``) adds
     the register cap the dispatcher sets (``__launch_bounds__(NW * 32, MINB)``)."""
-    minb = tmpl.pop("MINB", 0)
-    return mlx_cuda_source(name, ins, outs, list(tmpl.items()), _launch_bounds(32 * tmpl["NW"], minb))
+    minb = tmpl.pop("MINB", 0)  # only the decode cases (which have NW) carry one
+    return mlx_cuda_source(name, ins, outs, list(tmpl.items()),
+                           _launch_bounds(32 * tmpl["NW"], minb) if minb else "")
 
 
 def dump_sass(spec: str, overrides: list[str], arch: str = "sm_90") -> int:
