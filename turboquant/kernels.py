@@ -391,11 +391,11 @@ def tc8_config(d: int, rows: int, b_hkv: int, n: int, key_bits: int = 3, value_b
     sizes the grid: warps draw 32-token chunks of their head from a counter.
     Every split writes a partial state and the last one of its (batch, kv
     head) merges them, so the workspace holds: counters (a 128-byte line per
-    (batch, kv head)), the final output and log-sum-exp, and the partials.  ``window``: the fused decode
-    step (``tq_decode_tc8_fused``), whose extra threadgroup per (batch, kv
-    head) attends over the window and writes partial slot ``S``
-    (``SLOTS = S + 1``); it writes its output to its own array, so there is
-    no output region.  ``TQ_TC8_*`` override.
+    (batch, kv head)), the final output and log-sum-exp, and the partials.
+    ``window``: the fused decode step (``tq_decode_tc8_fused``), whose extra
+    threadgroup per (batch, kv head) attends over the window and writes
+    partial slot ``S`` (``SLOTS = S + 1``); it writes its output to its own
+    array, so there is no output region.  ``TQ_TC8_*`` override.
     """
     return _tc8_config(d, rows, b_hkv, n, key_bits, value_bits, bool(window), _tc8_env())
 
