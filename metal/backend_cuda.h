@@ -121,6 +121,11 @@ __device__ __forceinline__ unsigned int tq_atomic_inc_at(const unsigned int* p, 
 }
 // Load that bypasses L1: the partials were written by other SMs.
 __device__ __forceinline__ float tq_load_cg(const float* p) { return __ldcg(p); }
+// Four of them from a 16-byte-aligned address, one load.
+__device__ __forceinline__ void tq_load_cg4(const float* p, float (&x)[4]) {
+  const float4 a = __ldcg(reinterpret_cast<const float4*>(p));
+  x[0] = a.x; x[1] = a.y; x[2] = a.z; x[3] = a.w;
+}
 // Global -> shared copy of 16 bytes without a register round trip
 // (cp.async, sm_80+): a threadgroup's table copy goes out in one burst
 // while it does other work; tq_cp_async_wait_all() + a barrier before use.
