@@ -128,7 +128,7 @@ _TC_INS = ["float32", "uint32", "float16", "uint32", "float16", "uint32", "uint3
 
 def _fused_ins(dtype: str) -> list[str]:
     """tq_decode_tc8_fused inputs: queries and the window in the model dtype."""
-    return [dtype] + _TC_INS[1:] + [dtype, dtype, "float32", "float32", "float32", "float32", "uint32"]
+    return [dtype] + _TC_INS[1:] + [dtype, dtype, "float32", "float32", "float32", "float32", "uint32", dtype]
 
 
 CASES = [

@@ -375,8 +375,9 @@ def _copy_kernel(n_inputs: int = 2):
 def bench_floor(n, results):
     """Per-call time of a dependent chain for launches that do (almost) no
     work: a bare custom-kernel copy of q, the same with a fresh zeroed input
-    (the one-launch step's counter node) and with 15 inputs (as many as the
-    step), fp16 SDPA and the one-launch step
+    (the counter node the one-launch step had before its counter ring) and
+    with 15 inputs (as many as the step had then), fp16 SDPA and the
+    one-launch step
     on ``n`` tokens.  At 8k-32k tokens the decode table's chain figures sit
     close to these floors: they say how much of a short-context step is
     launch and evaluation overhead rather than attention."""
@@ -407,72 +408,67 @@ def bench_floor(n, results):
     results.setdefault("floor", {})[n] = out
 
 
-def bench_chain_batch(n, results, batches=(8, 32)):
+def _fill_node_step(step):
+    """``step`` with a zero-filled split-counter array per call, as the
+    one-launch step had before its plans kept a ring of counter sets: one
+    fill node + the kernel per call (the counter-ring comparison)."""
+    def run(x, c):
+        plan = kernels._step_plan(x, c.window_keys, c.window_keys, c, SCALE)
+        if plan is not None:
+            plan.counters = mx.zeros(plan.counters.shape, mx.uint32)  # a fill node, not evaluated here
+        return step(x, c)
+    return run
+
+
+def bench_chain_batch(n, results, batches=(8, 32, 128)):
     """Chained per-call time against the number of chained calls per
-    evaluation, fp16 SDPA and the one-launch step: a cost paid once per
-    evaluation (building and launching the first CUDA graph before the GPU
-    starts) is spread over fewer calls in the decode table's long-context
-    rows (batch 8) than over a 32-layer model's attention calls per token."""
+    evaluation, fp16 SDPA and the one-launch step (with its ring of counter
+    sets, and with a zero-filled counter array per call as before): a cost
+    paid once per evaluation (building and launching the first CUDA graph
+    before the GPU starts) is spread over fewer calls in the decode table's
+    long-context rows (batch 8) than over a 32-layer model's attention calls
+    per token."""
     q = mx.random.normal((1, HQ, 1, D)).astype(mx.float16)
-    fns = {"fp16 sdpa": (fp16_step, fp16_cache(n)),
-           "tq 3.5 whole step": (whole_step(window_keys()), tq_cache(n, 3.5))}
-    print(f"\n== chained calls per evaluation at {n} tokens (ms per call)")
+    wk = window_keys()
+    step, c = whole_step(wk), tq_cache(n, 3.5)
+    c.window_keys = wk
+    fns = {"fp16 sdpa": (fp16_step, fp16_cache(n)), "tq 3.5 whole step": (step, c),
+           "fill node per call": (_fill_node_step(step), c)}
+    ops = os.environ.get("MLX_MAX_OPS_PER_BUFFER", "default")
+    print(f"\n== chained calls per evaluation at {n} tokens (ms per call; MLX_MAX_OPS_PER_BUFFER={ops})")
+    print("   'fill node per call': the step with a zero-filled split-counter array per call instead")
+    print("   of the plan's ring of counter sets (the step before the ring)")
     out = {}
     for b in batches:
-        row = {name: timeit_chain(f, q, [c], b) for name, (f, c) in fns.items()}
+        row = {name: timeit_chain(f, q, [c_], b) for name, (f, c_) in fns.items()}
         out[b] = row
         print(f"  batch {b:>3}: " + "  ".join(f"{k_} {t * 1e3:.4f}" for k_, t in row.items())
-              + f"  ({row['fp16 sdpa'] / row['tq 3.5 whole step']:.2f}x)")
-    results.setdefault("chain_batch", {})[n] = out
-
-
-class _CounterSource:
-    """``mx`` for turboquant.kernels with ``zeros`` replaced, to measure what
-    the one-launch step's split counters cost per call: "reused" hands out
-    one array per shape (no fill node; correct here only because every call
-    in a batch reads another cache copy -- two launches sharing counters may
-    run side by side), "host" builds them from Python zeros (no fill node,
-    host-written managed memory)."""
-
-    def __init__(self, mode: str):
-        self.mode, self._z = mode, {}
-
-    def __getattr__(self, name):
-        return getattr(mx, name)
-
-    def zeros(self, shape, dtype=mx.float32):
-        shape = tuple(shape) if isinstance(shape, (tuple, list)) else (shape,)
-        if self.mode == "host":
-            return mx.array([0] * math.prod(shape), dtype=dtype).reshape(shape)
-        key = (shape, dtype)
-        if key not in self._z:
-            self._z[key] = mx.zeros(shape, dtype)
-            mx.eval(self._z[key])
-        return self._z[key]
+              + f"  ({row['fp16 sdpa'] / row['tq 3.5 whole step']:.2f}x;"
+              + f" fill node {row['fp16 sdpa'] / row['fill node per call']:.2f}x)")
+    if len(batches) >= 2:  # a cost paid once per evaluation: t(b) = c + E / b
+        b0, b1 = batches[0], batches[-1]
+        print("  per-evaluation cost from the first and last batch (us): " + "  ".join(
+            f"{k_} {(out[b0][k_] - out[b1][k_]) * b0 * b1 / (b1 - b0) * 1e6:.0f}" for k_ in out[b0]))
+    results.setdefault("chain_batch", {})[n] = {"max_ops": ops, **out}
 
 
 def bench_counter_node(n, results):
-    """Whole decode step with a fresh zeroed counter array per call (the
-    default: one fill node + the kernel), with one reused array (the kernel
-    alone) and with host-built zeros: what the counters cost per call."""
+    """Whole decode step as independent calls (which MLX may run side by
+    side), with the plan's ring of counter sets (the default) and with a
+    zero-filled counter array per call (one fill node + the kernel)."""
     q = mx.random.normal((1, HQ, 1, D)).astype(mx.float16)
-    step = whole_step(window_keys())
+    wk = window_keys()
+    step = whole_step(wk)
     cs = [tq_cache(n, 3.5, seed=i) for i in range(copies_for(tq_cache_bytes(n, 3.5)))]
-    os.environ["TQ_DECODE_FUSED"] = "1"
+    for c in cs:
+        c.window_keys = wk
+    fill = _fill_node_step(step)
     out = {}
-    print(f"\n== split counters at {n} tokens: fill node per call vs reused vs host-built (ms per call)")
+    print(f"\n== split counters at {n} tokens, independent calls: ring of sets vs a fill node per call (ms per call)")
     for batch in (max(8, copies_for(tq_cache_bytes(n, 2.5))), 128):
-        for name in ("fresh", "reused", "host"):
-            saved = kernels.mx
-            if name != "fresh":
-                kernels.mx = _CounterSource(name)
-            try:
-                t = timeit([lambda c=c: step(q, c) for c in cs], batch=batch)
-            finally:
-                kernels.mx = saved
-            out[f"{name}/{batch}"] = t
-        print(f"  batch {batch:>4}: " + "  ".join(f"{m} {out[f'{m}/{batch}'] * 1e3:.4f}" for m in ("fresh", "reused", "host")))
-    os.environ.pop("TQ_DECODE_FUSED")
+        for name, f in (("ring", step), ("fill node", fill)):
+            out[f"{name}/{batch}"] = timeit([lambda c=c, f=f: f(q, c) for c in cs], batch=batch)
+        print(f"  batch {batch:>4}: " + "  ".join(f"{m} {out[f'{m}/{batch}'] * 1e3:.4f}" for m in ("ring", "fill node")))
     results.setdefault("counter_node", {})[n] = out
 
 
@@ -654,7 +650,7 @@ def main() -> int:
     ap.add_argument("--sweep-blocks", default="264,528,1056", help="threadgroup counts the sweep tries")
     ap.add_argument("--batch-check", default="none", help="lengths for the calls-per-evaluation check ('none' = skip)")
     ap.add_argument("--counter-check", default="none",
-                    help="lengths for the split-counter fill-node check ('none' = skip)")
+                    help="lengths for the split-counter check, independent calls ('none' = skip)")
     ap.add_argument("--step-sweep", default="none",
                     help="lengths for the one-launch step's launch-shape sweep ('none' = skip)")
     ap.add_argument("--step-shapes", default=STEP_SHAPES,

@@ -21,7 +21,7 @@ launch:
   ncu's "SM active" approximates;
 * with ``--chain N``: the gap between one launch's end and the next one's
   first threadgroup, N dependent launches in one evaluation (as a model's
-  layers call it; the counters' zero-fill node sits in between).
+  layers call it).
 
   python3 benchmarks/tg_timeline.py --tokens 512k --chain 8
   TQ_TC8_BLOCKS=528 python3 benchmarks/tg_timeline.py --tokens 512k
@@ -63,14 +63,18 @@ def timeline_step(n: int, seed: int = 0):
     m0 = mx.zeros((1,), mx.float32)
     ktab, vtab = plan.tables
     meta = K._meta(n, c.keys_packed.shape[2], cfg["TOKS"], g.HKV, slots, R, 0, 0, cfg["OFF_PO"],
-                   cfg["OFF_PM"], cfg["OFF_PL"], wk.shape[2], plan.scale_bits, 0, 0)
+                   cfg["OFF_PM"], cfg["OFF_PL"], wk.shape[2], plan.scale_bits, 0, 0, 0)
+    # one counter set, reused as the step's ring reuses its sets: the launches
+    # here are chained (each one's query is the last one's output), so the
+    # ordering input is that query
+    cnt = mx.zeros((K.TC8_COUNTER_WORDS * BH,), mx.uint32)
+    mx.eval(cnt)
     ins = [q, c.keys_packed, c.keys_norms, c.values_packed, c.values_norms, ktab, vtab, meta,
-           wk, wk, plan.signs, plan.vsigns, m0, m0, mx.zeros((K.TC8_COUNTER_WORDS * BH,), mx.uint32)]
+           wk, wk, plan.signs, plan.vsigns, m0, m0, cnt, q]
     kernel = K._kernel_for("tq_decode_tc8_fused", prelude, ins, [mx.float32, q.dtype])
 
     def launch(x):
-        ins[0] = x
-        ins[-1] = mx.zeros((K.TC8_COUNTER_WORDS * BH,), mx.uint32)
+        ins[0] = ins[-1] = x
         w, out = kernel(inputs=list(ins), template=cfg["TEMPLATE"], grid=(cfg["GRID_X"], g.HKV, 1),
                         threadgroup=(cfg["NW"] * 32, 1, 1), output_shapes=[(ws + 16 * ntg,), q.shape],
                         output_dtypes=[mx.float32, q.dtype])

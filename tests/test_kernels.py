@@ -241,15 +241,16 @@ def test_fused_step_dispatch(monkeypatch):
 
 class _RecordingKernel:
     """Stands in for the callable ``mx.fast.cuda_kernel`` returns: records
-    each launch and returns zeros of the asked shapes."""
+    each launch and returns zeros of the asked shapes (kept in ``results``)."""
 
     def __init__(self, name, log):
-        self.name, self.calls, self.log = name, [], log
+        self.name, self.calls, self.log, self.results = name, [], log, []
 
     def __call__(self, **kw):
         self.calls.append(kw)
         self.log.append((self.name, kw))
-        return [mx.zeros(s, d) for s, d in zip(kw["output_shapes"], kw["output_dtypes"])]
+        self.results.append([mx.zeros(s, d) for s, d in zip(kw["output_shapes"], kw["output_dtypes"])])
+        return self.results[-1]
 
 
 @contextlib.contextmanager
@@ -294,7 +295,7 @@ def test_kernel_names_carry_the_dtypes(fake_cuda):
 def test_decode_step_plan(fake_cuda, monkeypatch):
     """A decode step's launch comes from a plan built once per shape and
     settings; each step still passes its own packed length, window length,
-    means and fresh split counters, and a changed setting builds a new plan."""
+    means and split-counter set, and a changed setting builds a new plan."""
     monkeypatch.setenv("TQ_KERNELS", "gpu")
     monkeypatch.setenv("TQ_DECODE_FUSED", "1")
     monkeypatch.setenv("TQ_DECODE_COMPILE", "0")  # every launch reaches the recorder
@@ -313,16 +314,24 @@ def test_decode_step_plan(fake_cuda, monkeypatch):
     (fused,) = [k for name, k in made.items() if name.startswith("tq_decode_tc8_fused")]
     assert len(fused.calls) == 12 and len(kernels._PLANS[cache.rotation]) == 1
     assert len({n for n, _, _ in seen}) > 1 and len({w for _, w, _ in seen}) > 1  # both moved
-    counters = set()
-    for call, (n, w, cfg) in zip(fused.calls, seen):
+    ring, words = kernels.TC8_COUNTER_RING, kernels.TC8_COUNTER_WORDS * 2  # 2 kv heads
+    plan = next(iter(kernels._PLANS[cache.rotation].values()))
+    assert plan.counters.shape == (ring * words,) and not np.asarray(plan.counters).any()
+    for i, (call, (n, w, cfg)) in enumerate(zip(fused.calls, seen)):
         meta = np.asarray(call["inputs"][7])
         assert meta[0] == n and meta[11] == w and meta[2] == cfg["TOKS"] and meta[4] == cfg["SLOTS"]
         assert meta[12] == kernels._float_bits(0.1) and meta[13] == meta[14] == 1
         assert call["template"] == cfg["TEMPLATE"] and call["grid"] == (cfg["GRID_X"], 2, 1)
         assert call["output_shapes"] == [(cfg["WS"],), (1, 8, 1, 128)]
         assert call["inputs"][8] is not None and call["inputs"][12].dtype == mx.float32
-        counters.add(id(call["inputs"][14]))
-    assert len(counters) == 12  # fresh counters per launch: launches may run side by side
+        # the counter sets in turn, no zero-filled array per launch; a launch
+        # is ordered after the last one on its set (their output its input)
+        assert call["inputs"][14] is plan.counters and meta[15] == (i % ring) * words
+        dep = call["inputs"][15]
+        if i >= ring:
+            assert dep is fused.results[i - ring][1]
+        else:
+            assert dep.shape == (1,) and dep.dtype == mx.float16
     # a new key mean is passed on at once; a new setting makes a new plan
     cache.key_mean = cache.key_mean * 2
     kernels.turboquant_attention(q, wk, wv, cache, 0.1, None)
@@ -362,7 +371,7 @@ def test_compiled_step_launch_passes_each_steps_data(monkeypatch):
 
         def __call__(self, **kw):
             log.append(kw["template"])
-            q, kp, kn, vp, vn, kt, vt, meta, wk, wv, sg, vsg, km, vm, cnt = kw["inputs"]
+            q, kp, kn, vp, vn, kt, vt, meta, wk, wv, sg, vsg, km, vm, cnt, dep = kw["inputs"]
             s = (meta.astype(mx.float32) * mx.arange(1, meta.size + 1)).sum() + wk.astype(mx.float32).sum()
             s = s + 0.5 * wv.astype(mx.float32).sum() + km.sum() - vm.sum() + kp[..., 0].sum().astype(mx.float32)
             s = s + kn.astype(mx.float32).sum() + cnt.astype(mx.float32).sum()

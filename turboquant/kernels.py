@@ -57,7 +57,7 @@ _SIGNATURES = {
     "tq_decode_tc": (["q", "kp", "kn", "vp", "vn", "klut_g", "vlut_g", "meta"], ["po", "pm", "pl"]),
     "tq_decode_tc8": (["q", "kp", "kn", "vp", "vn", "klut_g", "vlut_g", "meta"], ["ws"]),
     "tq_decode_tc8_fused": (["q", "kp", "kn", "vp", "vn", "klut_g", "vlut_g", "meta",
-                             "wk", "wv", "signs", "vsigns", "km", "vm", "cnt"], ["ws", "out"]),
+                             "wk", "wv", "signs", "vsigns", "km", "vm", "cnt", "dep"], ["ws", "out"]),
     "tq_decode_reduce": (["po", "pm", "pl", "meta"], ["out", "lse"]),
     "tq_dequant": (["packed", "norms", "cb", "mean", "meta"], ["out"]),
     "tq_quantize": (["x", "signs", "bounds", "cents"], ["packed", "norms"]),
@@ -368,6 +368,15 @@ TC8_DYN = 1
 # counter), so the heads' chunk counters do not share an L2 slice.  Must
 # match CNT_WORDS in tq_decode_tc8.inc.
 TC8_COUNTER_WORDS = 32
+# Counter sets per decode-step plan, used in turn: a step's counters are a
+# slot of one array the plan keeps (the kernel leaves them at zero) instead
+# of a zero-filled array per step, whose fill node cost up to ~10 us per step
+# in dependent chains (H200, gpu_attention.py --chain-check; it varies
+# between runs) and put a second node between two launches.  A launch takes
+# the output of the launch TC8_COUNTER_RING before it as an (unread) input,
+# so MLX orders two launches that share a set: up to TC8_COUNTER_RING
+# independent steps of one plan may still run side by side.
+TC8_COUNTER_RING = 8
 
 
 def _tc8_env() -> tuple:
@@ -784,8 +793,9 @@ class _StepPlan:
     """What a one-launch decode step is launched with that stays fixed while
     a cache decodes -- the kernel object (its dtype-tagged name), the pair
     tables, the rotation signs, the template and launch width, the longest
-    window it takes -- so that a step only redoes what moves: the split
-    layout of the packed length, the meta array and the split counters.
+    window it takes, the ring of split-counter sets -- so that a step only
+    redoes what moves: the split layout of the packed length and the meta
+    array.
 
     Why: the decisions behind a step (settings, kernel choice, rotation
     type, tables, launch shape) cost ~20 us of Python per call on a slow
@@ -806,7 +816,8 @@ class _StepPlan:
     """
 
     __slots__ = ("kernel", "tables", "signs", "vsigns", "env", "dims", "max_w", "bh", "grid_yz",
-                 "tg", "out_shape", "out_dtype", "scale_bits", "means", "per_n", "launchers", "keep")
+                 "tg", "out_shape", "out_dtype", "scale_bits", "means", "per_n", "launchers", "keep",
+                 "counters", "slot", "last")
 
     def __init__(self, queries, window_keys, window_values, cache, scale, max_w: int):
         B, H_q, L, D = queries.shape
@@ -827,10 +838,18 @@ class _StepPlan:
         self.per_n = {}  # packed length -> (meta head, (slots, grid x, workspace words))
         self.launchers = {}  # (split slots, window length) -> launcher
         self.keep = (kc, vc, vrot)  # their ids are part of the plan's key
+        # The split counters: TC8_COUNTER_RING sets, zeroed once (each launch
+        # leaves its set at zero); last[i]: the output of the latest launch
+        # on set i, the next one's ordering input (a one-element stand-in of
+        # the output dtype before the first).
+        self.counters = mx.zeros((TC8_COUNTER_RING * TC8_COUNTER_WORDS * self.bh,), mx.uint32)
+        mx.eval(self.counters)
+        self.slot = 0
+        self.last = [mx.zeros((1,), queries.dtype)] * TC8_COUNTER_RING
         m0 = mx.zeros((1,), mx.float32)  # stand-ins: only the dtypes name the kernel
         probe = [queries, cache.keys_packed, cache.keys_norms, cache.values_packed, cache.values_norms,
                  *self.tables, _meta(0), window_keys, window_values, self.signs, self.vsigns, m0, m0,
-                 mx.zeros((TC8_COUNTER_WORDS,), mx.uint32)]
+                 self.counters, self.last[0]]
         self.kernel = (_kernel_for("tq_decode_tc8_fused", cfg["PRELUDE"], probe,
                                    [mx.float32, queries.dtype]), cfg["TEMPLATE"])
 
@@ -843,7 +862,7 @@ class _StepPlan:
         return hit[1], hit[2]
 
     def _launcher(self, slots: int, grid_x: int, ws: int, w: int):
-        """f(q, kp, kn, vp, vn, meta, wk, wv, km, vm) -> out for one split
+        """f(q, kp, kn, vp, vn, meta, wk, wv, km, vm, cnt, dep) -> out for one split
         layout (grid and workspace size follow the slot count; the rest of
         the layout travels in meta) and window length: one compiled function
         per window length, so each finds its one recorded launch at once
@@ -855,14 +874,13 @@ class _StepPlan:
             self.launchers.clear()
         kernel, template = self.kernel
         ktab, vtab = self.tables
-        signs, vsigns, bh = self.signs, self.vsigns, self.bh
+        signs, vsigns = self.signs, self.vsigns
         grid, tg = (grid_x, *self.grid_yz), self.tg
         shapes, dtypes = [(ws,), self.out_shape], [mx.float32, self.out_dtype]
 
-        def launch(q, kp, kn, vp, vn, meta, wk, wv, km, vm):
+        def launch(q, kp, kn, vp, vn, meta, wk, wv, km, vm, cnt, dep):
             return kernel(
-                inputs=[q, kp, kn, vp, vn, ktab, vtab, meta, wk, wv, signs, vsigns, km, vm,
-                        mx.zeros((TC8_COUNTER_WORDS * bh,), mx.uint32)],  # counters (the kernel resets them)
+                inputs=[q, kp, kn, vp, vn, ktab, vtab, meta, wk, wv, signs, vsigns, km, vm, cnt, dep],
                 template=template, grid=grid, threadgroup=tg, output_shapes=shapes,
                 output_dtypes=dtypes,
             )[1]  # no init_value: the kernel writes every element before reading it
@@ -885,9 +903,13 @@ class _StepPlan:
         fn = self.launchers.get((layout[0], w)) or self._launcher(*layout, w)
         km, has_km = self._mean(getattr(cache, "key_mean", None))
         vm, has_vm = self._mean(getattr(cache, "value_mean", None))
-        meta = _meta(*head, w, self.scale_bits, has_km, has_vm)
-        return fn(queries, cache.keys_packed, cache.keys_norms, cache.values_packed, cache.values_norms,
-                  meta, window_keys, window_values, km, vm)
+        slot = self.slot
+        self.slot = (slot + 1) % TC8_COUNTER_RING
+        meta = _meta(*head, w, self.scale_bits, has_km, has_vm, slot * TC8_COUNTER_WORDS * self.bh)
+        out = fn(queries, cache.keys_packed, cache.keys_norms, cache.values_packed, cache.values_norms,
+                 meta, window_keys, window_values, km, vm, self.counters, self.last[slot])
+        self.last[slot] = out
+        return out
 
 
 # Whether the one-launch step goes through mx.compile (``TQ_DECODE_COMPILE``
