@@ -841,6 +841,39 @@ def test_fused_decode_step_long_history(monkeypatch, blocks, nw, dyn):
 
 @gpu
 @pytest.mark.gpu
+@pytest.mark.parametrize("fused", [False, True])
+def test_tc8_merge_of_more_splits_than_shared_memory_weighs_at_once(monkeypatch, fused):
+    """Head dim 64 at 2 bits with 4 warps leaves shared memory for the split
+    weights of 197 (fused step) or 262 (decode) splits; one kv head over
+    40,000 tokens in threadgroups of 128 tokens has 313 splits, so the last
+    threadgroup merges them in two blocks."""
+    if kernels.backend() != "cuda":
+        pytest.skip("tensor-core kernel: CUDA only")
+    monkeypatch.setenv("TQ_TC8_BLOCKS", "1056")
+    monkeypatch.setenv("TQ_TC8_NW", "4")
+    d, n = 64, 40000
+    assert kernels.tc8_config(d, 4, 1, n, 2, 2, window=fused)["S"] == 313
+    if not fused:
+        monkeypatch.setenv("TQ_DECODE_IMPL", "tc8")
+        _check_decode(np.random.default_rng(64), 2, 2, B=1, H=1, cap=n, n=n, rows=4, q_scale=3.0, d=d)
+        return
+    from turboquant.attention import turboquant_attention as reference
+
+    monkeypatch.setenv("TQ_DECODE_FUSED", "1")
+    cache = _filled_cache(2, d, 1, n, window=128)
+    k = mx.random.normal((1, 1, 1, d)).astype(mx.float16)
+    wk, wv = cache.update_and_fetch(k, k)
+    q = mx.random.normal((1, 4, 1, d)).astype(mx.float16)
+    monkeypatch.setenv("TQ_KERNELS", "gpu")
+    assert kernels.fused_step_supported(q, wk, wv, cache, None)
+    out = kernels.turboquant_attention(q, wk, wv, cache, d**-0.5, None)
+    monkeypatch.setenv("TQ_KERNELS", "reference")
+    ref = reference(q, wk, wv, cache, d**-0.5, None)
+    assert _rel(out, ref) < 6e-3
+
+
+@gpu
+@pytest.mark.gpu
 def test_tiled_prefill_holds_no_dequantized_history(monkeypatch):
     """A prefill chunk over a long packed history reads the codes in place:
     peak memory grows by far less than the dequantized history would take."""
