@@ -841,6 +841,33 @@ def test_fused_decode_step_long_history(monkeypatch, blocks, nw, dyn):
 
 @gpu
 @pytest.mark.gpu
+def test_fused_steps_evaluated_together_share_counter_sets_safely(monkeypatch):
+    """20 independent decode steps of one plan in one evaluation: more than
+    the plan's counter sets, so steps i and i + TC8_COUNTER_RING share a set
+    (MLX must order them: the later one takes the earlier one's output as an
+    input) while up to TC8_COUNTER_RING others may run beside them.  Every
+    output must match the reference."""
+    if kernels.backend() != "cuda":
+        pytest.skip("tensor-core kernel: CUDA only")
+    from turboquant.attention import turboquant_attention as reference
+
+    monkeypatch.setenv("TQ_DECODE_FUSED", "1")
+    d, h_kv, g = 128, 2, 4
+    cache = _filled_cache(3.5, d, h_kv, 20000, window=128)
+    k = mx.random.normal((1, h_kv, 1, d)).astype(mx.float16)
+    wk, wv = cache.update_and_fetch(k, k)
+    qs = [mx.random.normal((1, h_kv * g, 1, d)).astype(mx.float16) for _ in range(20)]
+    monkeypatch.setenv("TQ_KERNELS", "gpu")
+    assert 20 > 2 * kernels.TC8_COUNTER_RING
+    outs = [kernels.turboquant_attention(q, wk, wv, cache, d**-0.5, None) for q in qs]
+    mx.eval(outs)  # one evaluation: the launches may run side by side
+    monkeypatch.setenv("TQ_KERNELS", "reference")
+    for q, out in zip(qs, outs):
+        assert _rel(out, reference(q, wk, wv, cache, d**-0.5, None)) < 6e-3
+
+
+@gpu
+@pytest.mark.gpu
 @pytest.mark.parametrize("fused", [False, True])
 def test_tc8_merge_of_more_splits_than_shared_memory_weighs_at_once(monkeypatch, fused):
     """Head dim 64 at 2 bits with 4 warps leaves shared memory for the split
