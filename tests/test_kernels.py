@@ -178,7 +178,7 @@ def test_fused_step_is_the_tc8_body_with_the_switch_on():
 
 
 @pytest.mark.parametrize("n", [1, 1000, 262144])
-@pytest.mark.parametrize("b_hkv,rows", [(8, 4), (3, 1), (5, 4), (7, 1)])  # 5, 7: splits round down
+@pytest.mark.parametrize("b_hkv,rows", [(8, 4), (3, 1), (5, 4), (7, 1), (2, 8), (24, 4)])  # 5, 7: splits round down
 def test_tc8_fused_workspace_has_a_window_slot(n, b_hkv, rows, monkeypatch):
     monkeypatch.delenv("TQ_TC8_BLOCKS", raising=False)
     plain = kernels.tc8_config(128, rows, b_hkv, n)
