@@ -408,12 +408,14 @@ def bench_floor(n, results):
     results.setdefault("floor", {})[n] = out
 
 
-def _fill_node_step(step):
-    """``step`` with a zero-filled split-counter array per call, as the
-    one-launch step had before its plans kept a ring of counter sets: one
-    fill node + the kernel per call (the counter-ring comparison)."""
+def _fill_node_step(wk):
+    """``whole_step(wk)`` with a zero-filled split-counter array per call, as
+    the one-launch step had before its plans kept a ring of counter sets:
+    one fill node + the kernel per call (the counter-ring comparison)."""
+    step = whole_step(wk)
+
     def run(x, c):
-        plan = kernels._step_plan(x, c.window_keys, c.window_keys, c, SCALE)
+        plan = kernels._step_plan(x, wk, wk, c, SCALE)
         if plan is not None:
             plan.counters = mx.zeros(plan.counters.shape, mx.uint32)  # a fill node, not evaluated here
         return step(x, c)
@@ -430,10 +432,9 @@ def bench_chain_batch(n, results, batches=(8, 32, 128)):
     per token."""
     q = mx.random.normal((1, HQ, 1, D)).astype(mx.float16)
     wk = window_keys()
-    step, c = whole_step(wk), tq_cache(n, 3.5)
-    c.window_keys = wk
-    fns = {"fp16 sdpa": (fp16_step, fp16_cache(n)), "tq 3.5 whole step": (step, c),
-           "fill node per call": (_fill_node_step(step), c)}
+    c = tq_cache(n, 3.5)
+    fns = {"fp16 sdpa": (fp16_step, fp16_cache(n)), "tq 3.5 whole step": (whole_step(wk), c),
+           "fill node per call": (_fill_node_step(wk), c)}
     ops = os.environ.get("MLX_MAX_OPS_PER_BUFFER", "default")
     print(f"\n== chained calls per evaluation at {n} tokens (ms per call; MLX_MAX_OPS_PER_BUFFER={ops})")
     print("   'fill node per call': the step with a zero-filled split-counter array per call instead")
@@ -460,9 +461,7 @@ def bench_counter_node(n, results):
     wk = window_keys()
     step = whole_step(wk)
     cs = [tq_cache(n, 3.5, seed=i) for i in range(copies_for(tq_cache_bytes(n, 3.5)))]
-    for c in cs:
-        c.window_keys = wk
-    fill = _fill_node_step(step)
+    fill = _fill_node_step(wk)
     out = {}
     print(f"\n== split counters at {n} tokens, independent calls: ring of sets vs a fill node per call (ms per call)")
     for batch in (max(8, copies_for(tq_cache_bytes(n, 2.5))), 128):
