@@ -136,18 +136,18 @@ def main() -> int:
         h1 = time.time_ns()
         if rep == 0:
             continue  # compile and warm-up
+        stamps = [np.asarray(st).view(np.uint32) for st in outs]
+        sums = [summarize(st, slots, nw, resident) for st in stamps]
         # the device clock usually follows the host's (the driver syncs it):
         # then these say how long the evaluation ran before the first launch
         # started and after the last one ended (low 32 bits, signed)
-        first = [summarize(np.asarray(st).view(np.uint32), slots, nw, resident) for st in (outs[0], outs[-1])]
         wrap = lambda d: ((int(d) + (1 << 31)) % (1 << 32) - (1 << 31)) / 1e3  # noqa: E731
         print(f"  eval {rep}: host {(h1 - h0) / 1e3:.1f} us; eval start -> first launch "
-              f"{wrap(first[0]['first'] - (h0 & 0xFFFFFFFF)):.1f} us, last launch end -> sync return "
-              f"{wrap((h1 & 0xFFFFFFFF) - first[1]['end_abs']):.1f} us (if the clocks agree)")
-        raw.append(np.stack([np.asarray(st).view(np.uint32) for st in outs]))
+              f"{wrap(sums[0]['first'] - (h0 & 0xFFFFFFFF)):.1f} us, last launch end -> sync return "
+              f"{wrap((h1 & 0xFFFFFFFF) - sums[-1]['end_abs']):.1f} us (if the clocks agree)")
+        raw.append(np.stack(stamps))
         prev_end = None
-        for i, st in enumerate(outs):
-            s = summarize(np.asarray(st).view(np.uint32), slots, nw, resident)
+        for i, s in enumerate(sums):
             s["gap"] = (s["first"] - prev_end) / 1e3 if prev_end is not None else float("nan")
             prev_end = s["end_abs"]
             s["call"] = i
