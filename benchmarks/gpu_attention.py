@@ -111,6 +111,37 @@ def timeit_chain(step, q0, caches, batch: int, repeats: int = 5) -> float:
     return times[len(times) // 2]
 
 
+def timeit_generation(step, q0, caches, layers: int = 32, tokens: int = 24, warm: int = 4) -> float:
+    """Per-call time as mlx-lm's generation loop evaluates a model: per
+    token one evaluation of ``layers`` dependent calls (a 32-layer model's
+    attention), submitted with ``mx.async_eval`` before the next token's
+    graph is built, and the host waits for a token only after submitting the
+    next (as ``generate_step`` does for its ``.item()``).  Building and
+    launching a token's graphs then overlaps the GPU work of the token
+    before it, which ``timeit_chain``'s synchronous evaluations expose."""
+    def token(x):
+        for i in range(layers):
+            x = step(x, caches[i % len(caches)])
+        return x
+
+    x = q0
+    for _ in range(warm):  # compiles, plans, and the pipeline filled
+        x = token(x)
+        mx.async_eval(x)
+    mx.eval(x)
+    mx.synchronize()
+    t0 = time.perf_counter()
+    prev = x
+    for _ in range(tokens):
+        x = token(prev)
+        mx.async_eval(x)
+        mx.eval(prev)  # the host's wait for the token before (sampling it)
+        prev = x
+    mx.eval(x)
+    mx.synchronize()
+    return (time.perf_counter() - t0) / (tokens * layers)
+
+
 def copy_rate() -> float:
     """Device copy bandwidth (bytes read + written per second)."""
     a = mx.random.uniform(shape=(1 << 29,))  # 2 GiB float32
@@ -453,6 +484,35 @@ def bench_chain_batch(n, results, batches=(8, 32, 128)):
     results.setdefault("chain_batch", {})[n] = {"max_ops": ops, **out}
 
 
+def bench_generation(lengths, results, layers: int = 32):
+    """fp16 SDPA and the one-launch step timed as a generation loop runs
+    them (``timeit_generation``): 32 dependent calls per token, tokens
+    pipelined with ``mx.async_eval``.  Caches cycle as in the decode table,
+    so that no call finds its cache in L2."""
+    q = mx.random.normal((1, HQ, 1, D)).astype(mx.float16)
+    wk = window_keys()
+    step = whole_step(wk)
+    print(f"\n== generation loop: {layers} dependent calls per token, tokens pipelined with mx.async_eval"
+          " (ms per call)")
+    out = {}
+    for n in lengths:
+        k, v = fp16_cache(n)
+        nb = k.nbytes + v.nbytes
+        cs = [(k, v)] + [fp16_cache(n) for _ in range(min(layers, copies_for(nb)) - 1)]
+        t16 = timeit_generation(fp16_step, q, cs, layers)
+        del cs, k, v
+        c0 = tq_cache(n, 3.5)
+        cs = [c0] + [tq_cache(n, 3.5, seed=i + 1) for i in range(min(layers, copies_for(c0.nbytes)) - 1)]
+        ttq = timeit_generation(step, q, cs, layers)
+        nbytes = c0.nbytes + 2 * wk.nbytes
+        del cs, c0
+        out[n] = {"fp16 sdpa": t16, "tq 3.5 whole step": ttq, "bytes": nbytes}
+        print(f"  {n:>8} tokens: fp16 sdpa {t16 * 1e3:.4f}  tq 3.5 whole step {ttq * 1e3:.4f}"
+              f"  ({t16 / ttq:.2f}x; {nbytes / ttq / 1e9:.0f} GB/s)")
+        mx.clear_cache()
+    results["generation"] = out
+
+
 def bench_counter_node(n, results):
     """Whole decode step as independent calls (which MLX may run side by
     side), with the plan's ring of counter sets (the default) and with a
@@ -658,6 +718,8 @@ def main() -> int:
                     help="extra whole-step rows in the decode table: 'LABEL:K=V,K=V;...' (TQ_TC8_* settings)")
     ap.add_argument("--chain-check", default="none",
                     help="lengths for the chained-calls-per-evaluation check ('none' = skip)")
+    ap.add_argument("--generation", default="none",
+                    help="lengths for the generation-loop timing (async_eval, 32 calls per token; 'none' = skip)")
     ap.add_argument("--floor", default="none",
                     help="lengths for the per-call floor check ('none' = skip)")
     ap.add_argument("--prefill", default="128k", help="prefill length ('none' = skip)")
@@ -691,6 +753,8 @@ def main() -> int:
     if args.chain_check not in ("", "none"):
         for length in args.chain_check.split(","):
             bench_chain_batch(parse_len(length), results)
+    if args.generation not in ("", "none"):
+        bench_generation([parse_len(x) for x in args.generation.split(",") if x], results)
     if args.floor not in ("", "none"):
         for length in args.floor.split(","):
             bench_floor(parse_len(length), results)

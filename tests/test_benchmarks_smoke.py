@@ -203,3 +203,23 @@ def test_chained_timing_feeds_each_output_to_the_next_call():
     t = gpu_attention.timeit_chain(step, mx.array(0.0), [mx.array(1.0), mx.array(2.0)], batch=4, repeats=2)
     assert t > 0 and len(seen) == 3 * 4  # warm-up + 2 timed chains of 4 calls
     assert [float(x) for x in seen[:4]] == [0.0, 1.0, 3.0, 4.0]
+
+
+def test_generation_timing_chains_layers_and_tokens():
+    """The generation-loop timing must chain every call, across tokens too
+    (token t + 1 starts from token t's output, as a model's next token does),
+    cycling through the caches layer by layer."""
+    from benchmarks import gpu_attention
+
+    seen = []
+
+    def step(x, c):
+        seen.append((float(x), float(c)))
+        return x + c
+
+    t = gpu_attention.timeit_generation(step, mx.array(0.0), [mx.array(1.0), mx.array(2.0)],
+                                        layers=3, tokens=2, warm=1)
+    assert t > 0 and len(seen) == (1 + 2) * 3  # warm-up token + 2 timed tokens, 3 layers each
+    assert [c for _, c in seen] == [1.0, 2.0, 1.0] * 3
+    xs = [x for x, _ in seen]
+    assert xs == [0.0, 1.0, 3.0, 4.0, 5.0, 7.0, 8.0, 9.0, 11.0]
