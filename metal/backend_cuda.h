@@ -98,7 +98,25 @@ __device__ __forceinline__ unsigned int tq_movmatrix_trans(unsigned int x) {
   asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(y) : "r"(x));
   return y;
 }
-#define TQ_FENCE_DEVICE() __threadfence()
+// The lane index from %laneid: a value ptxas keeps as it is, where
+// threadIdx.x & 31 may be folded into other uses of the thread index.
+__device__ __forceinline__ unsigned int tq_laneid() {
+  unsigned int l;
+  asm("mov.u32 %0, %%laneid;" : "=r"(l));
+  return l;
+}
+// A threadgroup's arrival at a split counter, by one thread between two
+// barriers: a release (the partial every thread of the threadgroup wrote
+// before the first barrier is visible before the count, by cumulativity)
+// and an acquire (the threadgroup that counts last then reads every other's
+// partial, after the second barrier), at GPU scope.  Returns the old count.
+// (Before: __threadfence() in every thread before the count and again in
+// the last threadgroup after it, i.e. fence.sc.gpu, MEMBAR.SC.GPU.)
+__device__ __forceinline__ unsigned int tq_arrive_acq_rel(unsigned int* p) {
+  unsigned int old;
+  asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;\n" : "=r"(old) : "l"(p) : "memory");
+  return old;
+}
 // Increments word i of p; returns the old value (which threadgroup came
 // last, which chunk a warp takes next).  The address is formed in the
 // atomic (in a loop the compiler would otherwise keep a 64-bit pointer live
