@@ -32,6 +32,7 @@ import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -111,14 +112,19 @@ def timeit_chain(step, q0, caches, batch: int, repeats: int = 5) -> float:
     return times[len(times) // 2]
 
 
-def timeit_generation(step, q0, caches, layers: int = 32, tokens: int = 24, warm: int = 4) -> float:
+def timeit_generation(step, q0, caches, layers: int = 32, tokens: int = 24, warm: int = 4,
+                      stats: Optional[dict] = None) -> float:
     """Per-call time as mlx-lm's generation loop evaluates a model: per
     token one evaluation of ``layers`` dependent calls (a 32-layer model's
     attention), submitted with ``mx.async_eval`` before the next token's
     graph is built, and the host waits for a token only after submitting the
     next (as ``generate_step`` does for its ``.item()``).  Building and
     launching a token's graphs then overlaps the GPU work of the token
-    before it, which ``timeit_chain``'s synchronous evaluations expose."""
+    before it, which ``timeit_chain``'s synchronous evaluations expose.
+
+    ``stats``, if given, receives ``host``: the host's time per call spent
+    building and submitting graphs (not waiting).  Near the per-call time it
+    says the loop is bound by the host, well below it by the device."""
     def token(x):
         for i in range(layers):
             x = step(x, caches[i % len(caches)])
@@ -131,14 +137,19 @@ def timeit_generation(step, q0, caches, layers: int = 32, tokens: int = 24, warm
     mx.eval(x)
     mx.synchronize()
     t0 = time.perf_counter()
+    host = 0.0
     prev = x
     for _ in range(tokens):
+        h0 = time.perf_counter()
         x = token(prev)
         mx.async_eval(x)
+        host += time.perf_counter() - h0
         mx.eval(prev)  # the host's wait for the token before (sampling it)
         prev = x
     mx.eval(x)
     mx.synchronize()
+    if stats is not None:
+        stats["host"] = host / (tokens * layers)
     return (time.perf_counter() - t0) / (tokens * layers)
 
 
@@ -499,16 +510,19 @@ def bench_generation(lengths, results, layers: int = 32):
         k, v = fp16_cache(n)
         nb = k.nbytes + v.nbytes
         cs = [(k, v)] + [fp16_cache(n) for _ in range(min(layers, copies_for(nb)) - 1)]
-        t16 = timeit_generation(fp16_step, q, cs, layers)
+        h16, htq = {}, {}
+        t16 = timeit_generation(fp16_step, q, cs, layers, stats=h16)
         del cs, k, v
         c0 = tq_cache(n, 3.5)
         cs = [c0] + [tq_cache(n, 3.5, seed=i + 1) for i in range(min(layers, copies_for(c0.nbytes)) - 1)]
-        ttq = timeit_generation(step, q, cs, layers)
+        ttq = timeit_generation(step, q, cs, layers, stats=htq)
         nbytes = c0.nbytes + 2 * wk.nbytes
         del cs, c0
-        out[n] = {"fp16 sdpa": t16, "tq 3.5 whole step": ttq, "bytes": nbytes}
+        out[n] = {"fp16 sdpa": t16, "tq 3.5 whole step": ttq, "bytes": nbytes,
+                  "host": {"fp16 sdpa": h16["host"], "tq 3.5 whole step": htq["host"]}}
         print(f"  {n:>8} tokens: fp16 sdpa {t16 * 1e3:.4f}  tq 3.5 whole step {ttq * 1e3:.4f}"
-              f"  ({t16 / ttq:.2f}x; {nbytes / ttq / 1e9:.0f} GB/s)")
+              f"  ({t16 / ttq:.2f}x; {nbytes / ttq / 1e9:.0f} GB/s);  host build + submit"
+              f" {h16['host'] * 1e3:.4f} / {htq['host'] * 1e3:.4f}")
         mx.clear_cache()
     results["generation"] = out
 

@@ -217,9 +217,11 @@ def test_generation_timing_chains_layers_and_tokens():
         seen.append((float(x), float(c)))
         return x + c
 
+    stats = {}
     t = gpu_attention.timeit_generation(step, mx.array(0.0), [mx.array(1.0), mx.array(2.0)],
-                                        layers=3, tokens=2, warm=1)
+                                        layers=3, tokens=2, warm=1, stats=stats)
     assert t > 0 and len(seen) == (1 + 2) * 3  # warm-up token + 2 timed tokens, 3 layers each
+    assert 0 < stats["host"] <= t  # building and submitting is part of the loop's time
     assert [c for _, c in seen] == [1.0, 2.0, 1.0] * 3
     xs = [x for x, _ in seen]
     assert xs == [0.0, 1.0, 3.0, 4.0, 5.0, 7.0, 8.0, 9.0, 11.0]
