@@ -123,8 +123,12 @@ def timeit_generation(step, q0, caches, layers: int = 32, tokens: int = 24, warm
     before it, which ``timeit_chain``'s synchronous evaluations expose.
 
     ``stats``, if given, receives ``host``: the host's time per call spent
-    building and submitting graphs (not waiting).  Near the per-call time it
-    says the loop is bound by the host, well below it by the device."""
+    building and submitting graphs, outside the wait for the token before.
+    Well below the per-call time, the loop is bound by the device.  Near it,
+    either the host is the limit or MLX held the submission back while
+    earlier work ran (fp16 SDPA at 512k on the H200: 0.49 of 0.49 ms per
+    call, yet the device is the limit there, 0.53 ms per call evaluated
+    alone).  The decode table's times say which."""
     def token(x):
         for i in range(layers):
             x = step(x, caches[i % len(caches)])
