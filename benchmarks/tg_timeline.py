@@ -22,8 +22,16 @@ launch:
 * with ``--chain N``: the gap between one launch's end and the next one's
   first threadgroup, N dependent launches in one evaluation (as a model's
   layers call it).
+* with ``--pipelined T``: T tokens of ``--chain`` dependent launches each,
+  submitted with ``mx.async_eval`` as mlx-lm's generation loop does (the
+  host waits for token t only after submitting t+1), so the figures
+  include the boundaries between CUDA graphs and between tokens that a
+  synchronous chain of 8 does not see: span and gap over every launch, the
+  gaps at token boundaries, and the device time per launch (first entry
+  to last end over all launches) against the host's wall time per launch.
 
   python3 benchmarks/tg_timeline.py --tokens 512k --chain 8
+  python3 benchmarks/tg_timeline.py --tokens 512k --chain 32 --pipelined 16
   TQ_TC8_BLOCKS=528 python3 benchmarks/tg_timeline.py --tokens 512k
 
 Only on NVIDIA GPUs (the stamps are PTX special registers).
@@ -32,6 +40,7 @@ Only on NVIDIA GPUs (the stamps are PTX special registers).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -62,8 +71,9 @@ def timeline_step(n: int, seed: int = 0):
     prelude = f"\n#define TQ_TIMELINE {ws}\n" + cfg["PRELUDE"]
     m0 = mx.zeros((1,), mx.float32)
     ktab, vtab = plan.tables
-    meta = K._meta(n, c.keys_packed.shape[2], cfg["TOKS"], g.HKV, slots, R, 0, 0, cfg["OFF_PO"],
+    meta_values = (n, c.keys_packed.shape[2], cfg["TOKS"], g.HKV, slots, R, 0, 0, cfg["OFF_PO"],
                    cfg["OFF_PM"], cfg["OFF_PL"], wk.shape[2], plan.scale_bits, 0, 0, 0)
+    meta = K._meta(*meta_values)
     # one counter set, reused as the step's ring reuses its sets: the launches
     # here are chained (each one's query is the last one's output), so the
     # ordering input is that query
@@ -75,6 +85,8 @@ def timeline_step(n: int, seed: int = 0):
 
     def launch(x):
         ins[0] = ins[-1] = x
+        if os.environ.get("TL_FRESH_META") == "1":  # a new meta array per launch, as the step builds one
+            ins[7] = K._meta(*meta_values)
         w, out = kernel(inputs=list(ins), template=cfg["TEMPLATE"], grid=(cfg["GRID_X"], g.HKV, 1),
                         threadgroup=(cfg["NW"] * 32, 1, 1), output_shapes=[(ws + 16 * ntg,), q.shape],
                         output_dtypes=[mx.float32, q.dtype])
@@ -86,6 +98,11 @@ def timeline_step(n: int, seed: int = 0):
 def summarize(stamps: np.ndarray, slots: int, nw: int, resident: int) -> dict:
     """One launch's figures from its [threadgroups, 16] stamp table (us)."""
     tl = stamps.reshape(-1, 16).astype(np.int64)
+    # the stamps are the clock's low 32 bits: unwrap each against the first
+    # threadgroup's entry (column 0 is the SM, and 0 is "not stamped")
+    t = tl[:, 1:]
+    base = tl[0, 1]
+    tl[:, 1:] = np.where(t != 0, (t - base + (1 << 31)) % (1 << 32) - (1 << 31) + base, 0)
     t0 = tl[:, 1].min()
     rel = lambda a: (a - t0) / 1e3  # noqa: E731  (ns -> us from the first entry)
     sidx = np.arange(tl.shape[0]) % slots
@@ -114,6 +131,8 @@ def main() -> int:
     ap.add_argument("--tokens", default="512k")
     ap.add_argument("--chain", type=int, default=8, help="dependent launches per evaluation")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--pipelined", type=int, default=0,
+                    help="tokens of --chain launches, pipelined with mx.async_eval (0 = off)")
     ap.add_argument("--save", default="", help="write the raw stamps ([evals, launches, threadgroups, 16]) to this .npy")
     args = ap.parse_args()
     n = g.parse_len(args.tokens)
@@ -124,6 +143,8 @@ def main() -> int:
     print(f"tq_decode_tc8_fused timeline, {n} tokens, {slots - 1} splits + window per kv head, "
           f"{slots * g.HKV} threadgroups of {nw} warps, {cfg['TOKS']} tokens per split, "
           f"{'dynamic 32-token chunks' if dict(cfg['TEMPLATE'])['DYN'] else 'static splits'}")
+    if args.pipelined:
+        return pipelined(launch, q, slots, nw, resident, args.pipelined, args.chain)
     rows, raw = [], []
     for rep in range(args.repeats + 1):
         x, outs = q, []
@@ -164,6 +185,49 @@ def main() -> int:
     print(f"  SMs used: {rows[-1]['sms']}")
     if args.save:
         np.save(args.save, np.stack(raw).reshape(len(raw), args.chain, -1, 16))
+    return 0
+
+
+def pipelined(launch, q, slots: int, nw: int, resident: int, tokens: int, layers: int) -> int:
+    """The generation loop's timeline: where the device time per launch goes
+    when tokens are pipelined (see the module docstring)."""
+    def token(x):
+        outs = []
+        for _ in range(layers):
+            st, x = launch(x)
+            outs.append(st)
+        return outs, x
+
+    outs, x = token(q)  # compile and warm-up
+    mx.eval(outs, x)
+    mx.synchronize()
+    stamps, prev = [], None
+    t0 = time.perf_counter()
+    for _ in range(tokens):
+        outs, x = token(x)
+        mx.async_eval(outs, x)
+        if prev is not None:
+            mx.eval(prev)  # the host's wait for the token before
+        prev = x
+        stamps.append(outs)
+    mx.eval(stamps, x)
+    mx.synchronize()
+    wall = (time.perf_counter() - t0) / (tokens * layers) * 1e6
+    sums = [summarize(np.asarray(st).view(np.uint32), slots, nw, resident) for outs in stamps for st in outs]
+    span = np.array([s["span"] for s in sums])
+    # stamps are the clock's low 32 bits (a wrap every 4.3 s): differences only
+    wrap = lambda d: ((int(d) + (1 << 31)) % (1 << 32) - (1 << 31)) / 1e3  # noqa: E731
+    gaps = np.array([wrap(b["first"] - a["end_abs"]) for a, b in zip(sums, sums[1:])])
+    at_token = gaps[layers - 1::layers]  # the gap before each token's first launch
+    inside = np.delete(gaps, np.arange(layers - 1, len(gaps), layers))
+    device = (span.sum() + gaps.sum()) / len(sums)
+    stats = lambda a: f"median {np.median(a):.2f}  p90 {np.quantile(a, 0.9):.2f}  max {a.max():.2f}"  # noqa: E731
+    print(f"pipelined: {tokens} tokens x {layers} dependent launches, mx.async_eval per token")
+    print(f"  span per launch (us):           {stats(span)}  mean {span.mean():.2f}")
+    print(f"  gap inside a token (us):        {stats(inside)}  mean {inside.mean():.2f}")
+    print(f"  gap before a token (us):        {stats(at_token)}  mean {at_token.mean():.2f}")
+    print(f"  device time per launch: {device:.2f} us (first entry to last end / launches); "
+          f"host wall time per launch: {wall:.2f} us")
     return 0
 
 

@@ -225,3 +225,53 @@ def test_generation_timing_chains_layers_and_tokens():
     assert [c for _, c in seen] == [1.0, 2.0, 1.0] * 3
     xs = [x for x, _ in seen]
     assert xs == [0.0, 1.0, 3.0, 4.0, 5.0, 7.0, 8.0, 9.0, 11.0]
+
+
+def test_pipelined_timeline_separates_spans_from_gaps(capsys):
+    """``tg_timeline.py --pipelined`` must read each launch's span, the gaps
+    inside a token and before each token, and the device time per launch,
+    from the stamps alone: here a fake launch writes stamps of a 10 us span,
+    1 us apart inside a token and 5 us apart between tokens."""
+    import numpy as np
+
+    from benchmarks import tg_timeline
+
+    clock = {"t": 2_000_000_000, "n": 0}  # ns; the uint32 stamps travel as float32 bits
+    layers, tokens = 4, 3
+
+    def launch(x):
+        start = clock["t"]
+        packed = [0, start, start + 1000, start + 9000, start + 9500, 0, 0, 0, start + 9000] + [0] * 7
+        window = [1, start, start + 1000, start + 2000, start + 3000, start + 10000, 0, 0, start + 2000] + [0] * 7
+        clock["n"] += 1
+        clock["t"] = start + 10000 + (5000 if clock["n"] % layers == 0 else 1000)
+        st = mx.array(np.array(packed + window, np.uint32).view(np.float32))
+        return st, x + 1
+
+    assert tg_timeline.pipelined(launch, mx.array(0.0), slots=2, nw=1, resident=2, tokens=tokens,
+                                 layers=layers) == 0
+    out = capsys.readouterr().out
+    lines = {ln.split(":")[0].strip(): ln for ln in out.splitlines()}
+    assert "median 10.00" in lines["span per launch (us)"]
+    assert "median 1.00" in lines["gap inside a token (us)"] and "max 1.00" in lines["gap inside a token (us)"]
+    assert "median 5.00" in lines["gap before a token (us)"]
+    # 12 timed launches (after a warm-up token): 12 spans of 10 us and 11 gaps between them,
+    # 2 before tokens 2 and 3 (5 us) and 9 inside tokens (1 us)
+    assert f"device time per launch: {(120 + 9 + 10) / 12:.2f} us" in out
+
+
+def test_timeline_summary_survives_a_clock_wrap_inside_a_launch():
+    """The stamps are the device clock's low 32 bits, which wrap every 4.3 s:
+    a launch that straddles the wrap must still read as 10 us, not -4 s."""
+    import numpy as np
+
+    from benchmarks import tg_timeline
+
+    start = (1 << 32) - 4000  # the wrap comes 4 us into the launch
+    stamp = lambda t: t % (1 << 32)  # noqa: E731
+    packed = [0, stamp(start), stamp(start + 1000), stamp(start + 9000), stamp(start + 9500), 0, 0, 0,
+              stamp(start + 9000)] + [0] * 7
+    window = [1, stamp(start), stamp(start + 1000), stamp(start + 2000), stamp(start + 3000),
+              stamp(start + 10000), 0, 0, stamp(start + 2000)] + [0] * 7
+    s = tg_timeline.summarize(np.array(packed + window, np.uint32), slots=2, nw=1, resident=2)
+    assert s["span"] == 10.0 and s["loop_med"] == 8.0 and s["tail"] == 0.5
