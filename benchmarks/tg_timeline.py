@@ -95,14 +95,20 @@ def timeline_step(n: int, seed: int = 0):
     return launch, q, slots, cfg
 
 
+def _signed32(d):
+    """A difference of two stamps (the device clock's low 32 bits, which wrap
+    every 4.3 s) as the signed number of ns it stands for; ints or arrays."""
+    return (d + (1 << 31)) % (1 << 32) - (1 << 31)
+
+
 def summarize(stamps: np.ndarray, slots: int, nw: int, resident: int) -> dict:
     """One launch's figures from its [threadgroups, 16] stamp table (us)."""
     tl = stamps.reshape(-1, 16).astype(np.int64)
-    # the stamps are the clock's low 32 bits: unwrap each against the first
-    # threadgroup's entry (column 0 is the SM, and 0 is "not stamped")
+    # unwrap each stamp against the first threadgroup's entry (column 0 is
+    # the SM, and 0 is "not stamped")
     t = tl[:, 1:]
     base = tl[0, 1]
-    tl[:, 1:] = np.where(t != 0, (t - base + (1 << 31)) % (1 << 32) - (1 << 31) + base, 0)
+    tl[:, 1:] = np.where(t != 0, _signed32(t - base) + base, 0)
     t0 = tl[:, 1].min()
     rel = lambda a: (a - t0) / 1e3  # noqa: E731  (ns -> us from the first entry)
     sidx = np.arange(tl.shape[0]) % slots
@@ -162,14 +168,14 @@ def main() -> int:
         # the device clock usually follows the host's (the driver syncs it):
         # then these say how long the evaluation ran before the first launch
         # started and after the last one ended (low 32 bits, signed)
-        wrap = lambda d: ((int(d) + (1 << 31)) % (1 << 32) - (1 << 31)) / 1e3  # noqa: E731
+        wrap = lambda d: _signed32(int(d)) / 1e3  # noqa: E731
         print(f"  eval {rep}: host {(h1 - h0) / 1e3:.1f} us; eval start -> first launch "
               f"{wrap(sums[0]['first'] - (h0 & 0xFFFFFFFF)):.1f} us, last launch end -> sync return "
               f"{wrap((h1 & 0xFFFFFFFF) - sums[-1]['end_abs']):.1f} us (if the clocks agree)")
         raw.append(np.stack(stamps))
         prev_end = None
         for i, s in enumerate(sums):
-            s["gap"] = (s["first"] - prev_end) / 1e3 if prev_end is not None else float("nan")
+            s["gap"] = _signed32(int(s["first"] - prev_end)) / 1e3 if prev_end is not None else float("nan")
             prev_end = s["end_abs"]
             s["call"] = i
             rows.append(s)
@@ -215,9 +221,7 @@ def pipelined(launch, q, slots: int, nw: int, resident: int, tokens: int, layers
     wall = (time.perf_counter() - t0) / (tokens * layers) * 1e6
     sums = [summarize(np.asarray(st).view(np.uint32), slots, nw, resident) for outs in stamps for st in outs]
     span = np.array([s["span"] for s in sums])
-    # stamps are the clock's low 32 bits (a wrap every 4.3 s): differences only
-    wrap = lambda d: ((int(d) + (1 << 31)) % (1 << 32) - (1 << 31)) / 1e3  # noqa: E731
-    gaps = np.array([wrap(b["first"] - a["end_abs"]) for a, b in zip(sums, sums[1:])])
+    gaps = np.array([_signed32(int(b["first"] - a["end_abs"])) / 1e3 for a, b in zip(sums, sums[1:])])
     at_token = gaps[layers - 1::layers]  # the gap before each token's first launch
     inside = np.delete(gaps, np.arange(layers - 1, len(gaps), layers))
     device = (span.sum() + gaps.sum()) / len(sums)

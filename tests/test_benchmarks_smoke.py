@@ -227,6 +227,18 @@ def test_generation_timing_chains_layers_and_tokens():
     assert xs == [0.0, 1.0, 3.0, 4.0, 5.0, 7.0, 8.0, 9.0, 11.0]
 
 
+def _stamp_table(start: int):
+    """A launch's stamp table as tq_decode_tc8_fused writes it with
+    TQ_TIMELINE: 2 threadgroups (a packed split, the window's, which merges
+    last), 1 warp, a 10 us span from ``start`` (ns); stamps in 32 bits."""
+    import numpy as np
+
+    at = lambda dt: (start + dt) % (1 << 32)  # noqa: E731
+    packed = [0, at(0), at(1000), at(9000), at(9500), 0, 0, 0, at(9000)] + [0] * 7
+    window = [1, at(0), at(1000), at(2000), at(3000), at(10000), 0, 0, at(2000)] + [0] * 7
+    return np.array(packed + window, np.uint32)
+
+
 def test_pipelined_timeline_separates_spans_from_gaps(capsys):
     """``tg_timeline.py --pipelined`` must read each launch's span, the gaps
     inside a token and before each token, and the device time per launch,
@@ -241,12 +253,9 @@ def test_pipelined_timeline_separates_spans_from_gaps(capsys):
 
     def launch(x):
         start = clock["t"]
-        packed = [0, start, start + 1000, start + 9000, start + 9500, 0, 0, 0, start + 9000] + [0] * 7
-        window = [1, start, start + 1000, start + 2000, start + 3000, start + 10000, 0, 0, start + 2000] + [0] * 7
         clock["n"] += 1
         clock["t"] = start + 10000 + (5000 if clock["n"] % layers == 0 else 1000)
-        st = mx.array(np.array(packed + window, np.uint32).view(np.float32))
-        return st, x + 1
+        return mx.array(_stamp_table(start).view(np.float32)), x + 1
 
     assert tg_timeline.pipelined(launch, mx.array(0.0), slots=2, nw=1, resident=2, tokens=tokens,
                                  layers=layers) == 0
@@ -263,15 +272,8 @@ def test_pipelined_timeline_separates_spans_from_gaps(capsys):
 def test_timeline_summary_survives_a_clock_wrap_inside_a_launch():
     """The stamps are the device clock's low 32 bits, which wrap every 4.3 s:
     a launch that straddles the wrap must still read as 10 us, not -4 s."""
-    import numpy as np
-
     from benchmarks import tg_timeline
 
-    start = (1 << 32) - 4000  # the wrap comes 4 us into the launch
-    stamp = lambda t: t % (1 << 32)  # noqa: E731
-    packed = [0, stamp(start), stamp(start + 1000), stamp(start + 9000), stamp(start + 9500), 0, 0, 0,
-              stamp(start + 9000)] + [0] * 7
-    window = [1, stamp(start), stamp(start + 1000), stamp(start + 2000), stamp(start + 3000),
-              stamp(start + 10000), 0, 0, stamp(start + 2000)] + [0] * 7
-    s = tg_timeline.summarize(np.array(packed + window, np.uint32), slots=2, nw=1, resident=2)
+    # the wrap comes 4 us into the launch
+    s = tg_timeline.summarize(_stamp_table((1 << 32) - 4000), slots=2, nw=1, resident=2)
     assert s["span"] == 10.0 and s["loop_med"] == 8.0 and s["tail"] == 0.5
