@@ -25,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from turboquant.kernels import _SIGNATURES, _launch_bounds, compact_source, kernel_source  # noqa: E402
+from turboquant.kernels import _SIGNATURES, _VPERM_DEFINE, _launch_bounds, compact_source, kernel_source  # noqa: E402
 
 _CUDA_TYPES = {"float32": "float", "float16": "__half", "bfloat16": "__nv_bfloat16",
                "uint32": "uint32_t", "int32": "int32_t"}
@@ -157,10 +157,13 @@ CASES = [
     ("tq_decode_tc8", _TC_INS, ["float32"], [("D", 64), ("BK", 3), ("BV", 3), ("NW", 4), ("PF", 1), ("VC32", 0), ("L2PF", 0), ("DYN", 1)]),
     ("tq_decode_tc8", _TC_INS, ["float32"], [("D", 128), ("BK", 4), ("BV", 4), ("NW", 8), ("PF", 1), ("VC32", 0), ("L2PF", 0), ("DYN", 1)]),
     ("tq_decode_tc8", _TC_INS, ["float32"], [("D", 64), ("BK", 2), ("BV", 2), ("NW", 4), ("PF", 2), ("VC32", 0), ("L2PF", 0), ("DYN", 0)]),
+    ("tq_decode_tc8", _TC_INS, ["float32"], [("D", 64), ("BK", 2), ("BV", 3), ("NW", 4), ("PF", 2), ("VC32", 0), ("L2PF", 0), ("DYN", 0), ("VPERM", 1)]),
     ("tq_decode_tc8_fused", _fused_ins("float16"), ["float32", "float16"],
      [("D", 128), ("BK", 3), ("BV", 4), ("NW", 4), ("PF", 1), ("VC32", 1), ("L2PF", 1), ("DYN", 1)]),
     ("tq_decode_tc8_fused", _fused_ins("float16"), ["float32", "float16"],  # the default step
      [("D", 128), ("BK", 3), ("BV", 4), ("NW", 8), ("PF", 1), ("VC32", 1), ("L2PF", 0), ("DYN", 1), ("MINB", 2)]),
+    ("tq_decode_tc8_fused", _fused_ins("float16"), ["float32", "float16"],  # the default step, VPERM
+     [("D", 128), ("BK", 3), ("BV", 4), ("NW", 8), ("PF", 1), ("VC32", 1), ("L2PF", 0), ("DYN", 1), ("MINB", 2), ("VPERM", 1)]),
     ("tq_decode_tc8_fused", _fused_ins("float16"), ["float32", "float16"],  # static splits (TQ_TC8_DYN=0)
      [("D", 128), ("BK", 3), ("BV", 4), ("NW", 8), ("PF", 1), ("VC32", 1), ("L2PF", 0), ("DYN", 0), ("MINB", 2)]),
     ("tq_decode_tc8_fused", _fused_ins("bfloat16"), ["float32", "bfloat16"],
@@ -184,8 +187,9 @@ def case_source(name: str, ins: list[str], outs: list[str], tmpl: dict) -> str:
     """A case's translation unit; a ``MINB`` entry (popped from ``tmpl``) adds
     the register cap the dispatcher sets (``__launch_bounds__(NW * 32, MINB)``)."""
     minb = tmpl.pop("MINB", 0)  # only the decode cases (which have NW) carry one
-    return mlx_cuda_source(name, ins, outs, list(tmpl.items()),
-                           _launch_bounds(32 * tmpl["NW"], minb) if minb else "")
+    vperm = tmpl.pop("VPERM", 0)  # tc8's token order within a tile (a #define)
+    prelude = (_launch_bounds(32 * tmpl["NW"], minb) if minb else "") + (_VPERM_DEFINE if vperm else "")
+    return mlx_cuda_source(name, ins, outs, list(tmpl.items()), prelude)
 
 
 def dump_sass(spec: str, overrides: list[str], arch: str = "sm_90") -> int:

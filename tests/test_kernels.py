@@ -414,6 +414,19 @@ def test_tc8_value_table_copies_follow_the_widths(monkeypatch):
     assert kernels.tc8_config(128, 4, 8, 4096, 3, 4)["VC32"] == 0
 
 
+def test_tc8_token_order_switch(monkeypatch):
+    """VPERM (the token order that halves the value loads' L1 wavefronts)
+    is on by default, reaches the kernel as a #define, can be turned off,
+    and a decode plan is not reused across the switch."""
+    monkeypatch.delenv("TQ_TC8_VPERM", raising=False)
+    cfg = kernels.tc8_config(128, 4, 8, 4096, 3, 4)
+    assert cfg["VPERM"] == kernels.TC8_VPERM == 1 and kernels._VPERM_DEFINE in cfg["PRELUDE"]
+    monkeypatch.setenv("TQ_TC8_VPERM", "0")
+    cfg = kernels.tc8_config(128, 4, 8, 4096, 3, 4)
+    assert cfg["VPERM"] == 0 and kernels._VPERM_DEFINE not in cfg["PRELUDE"]
+    assert "TQ_TC8_VPERM" in kernels._PLAN_ENV
+
+
 def test_decode_impl_choice(monkeypatch):
     monkeypatch.setattr(kernels, "backend", lambda: "cuda")
     monkeypatch.delenv("TQ_DECODE_IMPL", raising=False)
@@ -698,19 +711,22 @@ def test_tc8_long_splits_and_fused_reduction(monkeypatch, bits, blocks, nw, pf, 
 @pytest.mark.parametrize("n", [5, 16, 100, 129, 1000, 3001])
 @pytest.mark.parametrize("nw", ["4", "8"])
 @pytest.mark.parametrize("dyn", ["0", "1"])
-def test_tc8_every_tile_count_per_warp(monkeypatch, n, nw, dyn):
+@pytest.mark.parametrize("vperm", ["0", "1"])
+def test_tc8_every_tile_count_per_warp(monkeypatch, n, nw, dyn, vperm):
     """Static splits (dyn 0): a warp's full tiles (prefetch unconditional,
     the last one reloading itself), then its edge tile; with the shortest
     splits (2 tiles per warp) warps get 0, 1 or 2 full tiles, with or
     without an edge tile, and some get none at all.  Dynamic chunks (dyn 1):
     warps with no first chunk, a last chunk drawn statically or from the
-    counter, a partial chunk of 5-31 tokens or none."""
+    counter, a partial chunk of 5-31 tokens or none.  Both token orders
+    within a tile (vperm): the edge tile masks tokens, not positions."""
     if kernels.backend() != "cuda":
         pytest.skip("tensor-core kernel: CUDA only")
     monkeypatch.setenv("TQ_DECODE_IMPL", "tc8")
     monkeypatch.setenv("TQ_TC8_BLOCKS", "4096")  # as many splits as the minimum split length allows
     monkeypatch.setenv("TQ_TC8_NW", nw)
     monkeypatch.setenv("TQ_TC8_DYN", dyn)
+    monkeypatch.setenv("TQ_TC8_VPERM", vperm)
     cap = -(-n // 256) * 256
     _check_decode(np.random.default_rng(n), 3, 4, B=1, H=2, cap=cap, n=n, rows=4, q_scale=2.0)
 

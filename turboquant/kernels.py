@@ -301,6 +301,12 @@ def decode_impl(d: int, rows: int = 1) -> str:
     return "tc8"
 
 
+# Whether tc8 tiles put their tokens in the order that makes each value
+# load read consecutive rows (``TQ_VPERM`` in tq_decode_tc8.inc: half the
+# L1 wavefronts per value load); ``TQ_TC8_VPERM`` overrides.
+TC8_VPERM = 1
+_VPERM_DEFINE = "\n#define TQ_VPERM 1\n"
+
 # Whether the tc8 kernel loads codes with the L2::256B prefetch hint
 # (``TQ_TC8_L2PF`` overrides; measured in the launch-shape sweep).
 TC8_L2PF = 0
@@ -383,7 +389,8 @@ def _tc8_env() -> tuple:
     """The tc8 launch overrides, read once per call (the config is cached on them)."""
     g = getenv
     return (g("TQ_TC8_NW", ""), g("TQ_TC8_BLOCKS", ""), g("TQ_TC8_PF", ""),
-            g("TQ_TC8_VC32", ""), g("TQ_TC8_MINBLOCKS", ""), g("TQ_TC8_L2PF", ""), g("TQ_TC8_DYN", ""))
+            g("TQ_TC8_VC32", ""), g("TQ_TC8_MINBLOCKS", ""), g("TQ_TC8_L2PF", ""), g("TQ_TC8_DYN", ""),
+            g("TQ_TC8_VPERM", ""))
 
 
 def tc8_config(d: int, rows: int, b_hkv: int, n: int, key_bits: int = 3, value_bits: int = 4,
@@ -411,7 +418,8 @@ def tc8_config(d: int, rows: int, b_hkv: int, n: int, key_bits: int = 3, value_b
 
 @lru_cache(maxsize=4096)
 def _tc8_config(d, rows, b_hkv, n, key_bits, value_bits, window, env) -> dict:
-    e_nw, e_blocks, e_pf, e_vc32, e_minb, e_l2pf, e_dyn = env
+    e_nw, e_blocks, e_pf, e_vc32, e_minb, e_l2pf, e_dyn, e_vperm = env
+    vperm = int(bool(int(e_vperm) if e_vperm else TC8_VPERM))
     l2pf = int(e_l2pf) if e_l2pf else TC8_L2PF
     nw = int(e_nw or 0) or (4 if value_bits == 3 else TC8_WARPS)
     step = 16 * nw
@@ -444,7 +452,8 @@ def _tc8_config(d, rows, b_hkv, n, key_bits, value_bits, window, env) -> dict:
             # the launch arguments that follow from the above (built once, not per step)
             "TEMPLATE": [("D", d), ("BK", key_bits), ("BV", value_bits), ("NW", nw), ("PF", pf),
                          ("VC32", vc32), ("L2PF", int(bool(l2pf))), ("DYN", dyn)],
-            "PRELUDE": _launch_bounds(nw * 32, minb), "GRID_X": slots * nw * 32}
+            "PRELUDE": _launch_bounds(nw * 32, minb) + (_VPERM_DEFINE if vperm else ""),
+            "VPERM": vperm, "GRID_X": slots * nw * 32}
 
 
 _PAIR_TABLES: dict = {}
@@ -926,7 +935,8 @@ def compile_enabled() -> bool:
 # Settings read by the decode dispatch; a plan is only found again under the
 # same values (and the module switches below).
 _PLAN_ENV = ("TQ_KERNELS", "TQ_DECODE_IMPL", "TQ_DECODE_FUSED", "TQ_DECODE_COMPILE", "TQ_TC8_NW",
-             "TQ_TC8_BLOCKS", "TQ_TC8_PF", "TQ_TC8_VC32", "TQ_TC8_MINBLOCKS", "TQ_TC8_L2PF", "TQ_TC8_DYN")
+             "TQ_TC8_BLOCKS", "TQ_TC8_PF", "TQ_TC8_VC32", "TQ_TC8_MINBLOCKS", "TQ_TC8_L2PF", "TQ_TC8_DYN",
+             "TQ_TC8_VPERM")
 _PLAN_ENV_KEYS = tuple(n.encode() for n in _PLAN_ENV)
 _PLANS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # rotation -> {key: plan | None}
 
