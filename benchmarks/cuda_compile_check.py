@@ -25,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from turboquant.kernels import _SIGNATURES, _VPERM_DEFINE, _launch_bounds, compact_source, kernel_source  # noqa: E402
+from turboquant.kernels import _SIGNATURES, _tc8_prelude, compact_source, kernel_source  # noqa: E402
 
 _CUDA_TYPES = {"float32": "float", "float16": "__half", "bfloat16": "__nv_bfloat16",
                "uint32": "uint32_t", "int32": "int32_t"}
@@ -188,7 +188,7 @@ def case_source(name: str, ins: list[str], outs: list[str], tmpl: dict) -> str:
     the register cap the dispatcher sets (``__launch_bounds__(NW * 32, MINB)``)."""
     minb = tmpl.pop("MINB", 0)  # only the decode cases (which have NW) carry one
     vperm = tmpl.pop("VPERM", 0)  # tc8's token order within a tile (a #define)
-    prelude = (_launch_bounds(32 * tmpl["NW"], minb) if minb else "") + (_VPERM_DEFINE if vperm else "")
+    prelude = _tc8_prelude(tmpl.get("NW", 0), minb, vperm)  # (no MINB: no cap; only tc8 cases set VPERM)
     return mlx_cuda_source(name, ins, outs, list(tmpl.items()), prelude)
 
 

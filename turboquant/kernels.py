@@ -307,6 +307,12 @@ def decode_impl(d: int, rows: int = 1) -> str:
 TC8_VPERM = 1
 _VPERM_DEFINE = "\n#define TQ_VPERM 1\n"
 
+
+def _tc8_prelude(nw: int, min_blocks: int, vperm: int) -> str:
+    """The header lines a tc8 launch adds (its register cap, its token
+    order): one place for the dispatcher and cuda_compile_check.py."""
+    return _launch_bounds(nw * 32, min_blocks) + (_VPERM_DEFINE if vperm else "")
+
 # Whether the tc8 kernel loads codes with the L2::256B prefetch hint
 # (``TQ_TC8_L2PF`` overrides; measured in the launch-shape sweep).
 TC8_L2PF = 0
@@ -452,7 +458,7 @@ def _tc8_config(d, rows, b_hkv, n, key_bits, value_bits, window, env) -> dict:
             # the launch arguments that follow from the above (built once, not per step)
             "TEMPLATE": [("D", d), ("BK", key_bits), ("BV", value_bits), ("NW", nw), ("PF", pf),
                          ("VC32", vc32), ("L2PF", int(bool(l2pf))), ("DYN", dyn)],
-            "PRELUDE": _launch_bounds(nw * 32, minb) + (_VPERM_DEFINE if vperm else ""),
+            "PRELUDE": _tc8_prelude(nw, minb, vperm),
             "VPERM": vperm, "GRID_X": slots * nw * 32}
 
 
