@@ -277,3 +277,24 @@ def test_timeline_summary_survives_a_clock_wrap_inside_a_launch():
     # the wrap comes 4 us into the launch
     s = tg_timeline.summarize(_stamp_table((1 << 32) - 4000), slots=2, nw=1, resident=2)
     assert s["span"] == 10.0 and s["loop_med"] == 8.0 and s["tail"] == 0.5
+
+
+def test_submit_cost_times_a_dependent_chain_over_the_cache_copies():
+    """``submit_cost.py``: each call takes the previous call's output and
+    the next cache copy in turn, and the submission (``mx.async_eval``
+    returning) is reported as a part of the whole evaluation, per call."""
+    from benchmarks import submit_cost
+
+    seen = []
+
+    def step(x, cache):
+        seen.append((x, cache))
+        return x + cache
+
+    caches = [mx.array(1.0), mx.array(10.0), mx.array(100.0)]
+    batch, repeats = 4, 3
+    sub, total = submit_cost.chain_costs(step, mx.array(0.0), caches, batch, repeats=repeats)
+    assert 0 < sub <= total
+    assert len(seen) == batch * (1 + repeats)  # a warm-up chain, then one per repeat
+    assert [c for _, c in seen[:batch]] == [caches[i % 3] for i in range(batch)]
+    assert [x.item() for x, _ in seen[:batch]] == [0.0, 1.0, 11.0, 111.0]  # each call on the last's output
