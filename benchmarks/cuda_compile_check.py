@@ -25,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from turboquant.kernels import _SIGNATURES, _tc8_prelude, compact_source, kernel_source  # noqa: E402
+from turboquant.kernels import _SIGNATURES, _tc8_prelude, mlx_source  # noqa: E402
 
 _CUDA_TYPES = {"float32": "float", "float16": "__half", "bfloat16": "__nv_bfloat16",
                "uint32": "uint32_t", "int32": "int32_t"}
@@ -41,11 +41,12 @@ _MLX_DEFAULT_HEADER = """
 
 
 def mlx_cuda_source(name: str, in_types: list[str], out_types: list[str],
-                    template: list[tuple[str, object]], prelude: str = "") -> str:
+                    template: list[tuple[str, object]], prelude: str = "", consts: tuple = ()) -> str:
     """The translation unit ``mx.fast.cuda_kernel`` builds (MLX 0.32 build_kernel);
-    ``prelude`` is what the dispatcher appends to the header (launch bounds)."""
-    header, body = kernel_source(name, "cuda")
-    header, body = compact_source(header + prelude), compact_source(body)  # as _kernel passes them
+    ``prelude`` is what the dispatcher appends to the header (launch bounds),
+    ``consts`` the constants it compiles into the body instead of template
+    arguments (the decode step's plan)."""
+    header, body = mlx_source(name, "cuda", prelude, consts)  # as _kernel passes them
     inputs, outputs = _SIGNATURES[name]
     src = _MLX_DEFAULT_HEADER + header
     src += "namespace mlx::core::cu {\n\nnamespace cg = cooperative_groups;\n\n"
@@ -183,12 +184,19 @@ CASES = [
 ]
 
 
+# launched with the launch shape compiled into the body, not as template
+# arguments (kernels._StepPlan: no per-call template conversion)
+_CONSTS_IN_BODY = {"tq_decode_tc8_fused"}
+
+
 def case_source(name: str, ins: list[str], outs: list[str], tmpl: dict) -> str:
     """A case's translation unit; a ``MINB`` entry (popped from ``tmpl``) adds
     the register cap the dispatcher sets (``__launch_bounds__(NW * 32, MINB)``)."""
     minb = tmpl.pop("MINB", 0)  # only the decode cases (which have NW) carry one
     vperm = tmpl.pop("VPERM", 0)  # tc8's token order within a tile (a #define)
     prelude = _tc8_prelude(tmpl.get("NW", 0), minb, vperm)  # (no MINB: no cap; only tc8 cases set VPERM)
+    if name in _CONSTS_IN_BODY:
+        return mlx_cuda_source(name, ins, outs, [], prelude, tuple(tmpl.items()))
     return mlx_cuda_source(name, ins, outs, list(tmpl.items()), prelude)
 
 

@@ -243,8 +243,9 @@ class _RecordingKernel:
     """Stands in for the callable ``mx.fast.cuda_kernel`` returns: records
     each launch and returns zeros of the asked shapes (kept in ``results``)."""
 
-    def __init__(self, name, log):
+    def __init__(self, name, log, source=""):
         self.name, self.calls, self.log, self.results = name, [], log, []
+        self.source = source  # the kernel body as MLX would compile it
 
     def __call__(self, **kw):
         self.calls.append(kw)
@@ -274,7 +275,7 @@ def fake_cuda(monkeypatch):
     made, log = {}, []
 
     def cuda_kernel(name, **kw):
-        return made.setdefault(name, _RecordingKernel(name, log))
+        return made.setdefault(name, _RecordingKernel(name, log, kw.get("source", "")))
 
     with _cuda_stand_in(monkeypatch, cuda_kernel):
         yield made, log
@@ -321,7 +322,9 @@ def test_decode_step_plan(fake_cuda, monkeypatch):
         meta = np.asarray(call["inputs"][7])
         assert meta[0] == n and meta[11] == w and meta[2] == cfg["TOKS"] and meta[4] == cfg["SLOTS"]
         assert meta[12] == kernels._float_bits(0.1) and meta[13] == meta[14] == 1
-        assert call["template"] == cfg["TEMPLATE"] and call["grid"] == (cfg["GRID_X"], 2, 1)
+        # the launch shape's constants are compiled into the body, not passed per call
+        assert "template" not in call and call["grid"] == (cfg["GRID_X"], 2, 1)
+        assert fused.source.startswith("".join(f"constexpr int {k} = {v};\n" for k, v in cfg["TEMPLATE"]))
         assert call["output_shapes"] == [(cfg["WS"],), (1, 8, 1, 128)]
         assert call["inputs"][8] is not None and call["inputs"][12].dtype == mx.float32
         # the counter sets in turn, no zero-filled array per launch; a launch
@@ -340,7 +343,7 @@ def test_decode_step_plan(fake_cuda, monkeypatch):
     kernels.turboquant_attention(q, wk, wv, cache, 0.1, None)
     name, call = log[-1]
     assert name.startswith("tq_decode_tc8_fused") and name != fused.name  # another prelude
-    assert dict(call["template"])["NW"] == 4 and call["threadgroup"] == (128, 1, 1)
+    assert "constexpr int NW = 4;\n" in made[name].source and call["threadgroup"] == (128, 1, 1)
     assert len(kernels._PLANS[cache.rotation]) == 2
     # what the one-launch step does not take falls through to the general path
     big = mx.zeros((1, 2, 4000, 128), mx.float16)
@@ -370,7 +373,7 @@ def test_compiled_step_launch_passes_each_steps_data(monkeypatch):
             self.name = name
 
         def __call__(self, **kw):
-            log.append(kw["template"])
+            log.append(kw["grid"])
             q, kp, kn, vp, vn, kt, vt, meta, wk, wv, sg, vsg, km, vm, cnt, dep = kw["inputs"]
             s = (meta.astype(mx.float32) * mx.arange(1, meta.size + 1)).sum() + wk.astype(mx.float32).sum()
             s = s + 0.5 * wv.astype(mx.float32).sum() + km.sum() - vm.sum() + kp[..., 0].sum().astype(mx.float32)

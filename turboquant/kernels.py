@@ -170,10 +170,28 @@ def compact_source(src: str) -> str:
     return "\n".join(line.rstrip() for line in src.split("\n") if line.strip()) + "\n"
 
 
-@lru_cache(maxsize=None)
-def _kernel(name: str, be: str, prelude: str = "", dtypes: str = ""):
+def mlx_source(name: str, be: str, prelude: str = "", consts: tuple = ()) -> tuple[str, str]:
+    """(header, body) of kernel ``name`` as handed to MLX: ``prelude``
+    appended to the header, ``consts`` -- (name, int) pairs -- compiled into
+    the body as ``constexpr int``, comments stripped.
+
+    ``consts`` are what MLX's template arguments become (the same
+    declarations at the same place), for a kernel launched every decode
+    step: MLX converts and formats a launch's template arguments on every
+    call (~3 us for the decode step's eight on the H200's host,
+    docs/benchmarks.md, session 24), constants in the source cost nothing
+    per call."""
     header, body = kernel_source(name, be)
-    header, body = compact_source(header + prelude), compact_source(body)
+    for k, v in consts:
+        if not isinstance(v, int):
+            raise TypeError(f"{name}: compiled-in constant {k}={v!r} must be an int")
+    body = "".join(f"constexpr int {k} = {int(v)};\n" for k, v in consts) + body
+    return compact_source(header + prelude), compact_source(body)
+
+
+@lru_cache(maxsize=None)
+def _kernel(name: str, be: str, prelude: str = "", dtypes: str = "", consts: tuple = ()):
+    header, body = mlx_source(name, be, prelude, consts)
     inputs, outputs = _SIGNATURES[name]
     # MLX caches compiled modules (in memory, and on disk for CUDA) by kernel
     # name + template arguments only, not by the generated signature's
@@ -200,11 +218,11 @@ def _dtype_tag(dtypes: tuple) -> str:
     return "_" + hashlib.sha1(sig.encode()).hexdigest()[:8]
 
 
-def _kernel_for(name: str, prelude: str, inputs, output_dtypes):
+def _kernel_for(name: str, prelude: str, inputs, output_dtypes, consts: tuple = ()):
     be = backend()
     if be is None:
         raise RuntimeError(f"{name}: no GPU backend (Metal or CUDA) in this MLX build")
-    return _kernel(name, be, prelude, dtype_tag(inputs, output_dtypes))
+    return _kernel(name, be, prelude, dtype_tag(inputs, output_dtypes), consts)
 
 
 def _launch(name: str, prelude: str = "", **kw):
@@ -806,8 +824,9 @@ def _float_bits(x: float) -> int:
 
 class _StepPlan:
     """What a one-launch decode step is launched with that stays fixed while
-    a cache decodes -- the kernel object (its dtype-tagged name), the pair
-    tables, the rotation signs, the template and launch width, the longest
+    a cache decodes -- the kernel object (its dtype-tagged name, the launch
+    shape's constants compiled in), the pair tables, the rotation signs,
+    the launch width, the longest
     window it takes, the ring of split-counter sets -- so that a step only
     redoes what moves: the split layout of the packed length and the meta
     array.
@@ -865,8 +884,9 @@ class _StepPlan:
         probe = [queries, cache.keys_packed, cache.keys_norms, cache.values_packed, cache.values_norms,
                  *self.tables, _meta(0), window_keys, window_values, self.signs, self.vsigns, m0, m0,
                  self.counters, self.last[0]]
-        self.kernel = (_kernel_for("tq_decode_tc8_fused", cfg["PRELUDE"], probe,
-                                   [mx.float32, queries.dtype]), cfg["TEMPLATE"])
+        # the launch shape's constants compiled in: no template arguments per call
+        self.kernel = _kernel_for("tq_decode_tc8_fused", cfg["PRELUDE"], probe,
+                                  [mx.float32, queries.dtype], tuple(cfg["TEMPLATE"]))
 
     def _mean(self, m):
         hit = self.means.get(id(m))
@@ -887,7 +907,7 @@ class _StepPlan:
             return fn
         if len(self.launchers) > 1024:
             self.launchers.clear()
-        kernel, template = self.kernel
+        kernel = self.kernel
         ktab, vtab = self.tables
         signs, vsigns = self.signs, self.vsigns
         grid, tg = (grid_x, *self.grid_yz), self.tg
@@ -896,8 +916,7 @@ class _StepPlan:
         def launch(q, kp, kn, vp, vn, meta, wk, wv, km, vm, cnt, dep):
             return kernel(
                 inputs=[q, kp, kn, vp, vn, ktab, vtab, meta, wk, wv, signs, vsigns, km, vm, cnt, dep],
-                template=template, grid=grid, threadgroup=tg, output_shapes=shapes,
-                output_dtypes=dtypes,
+                grid=grid, threadgroup=tg, output_shapes=shapes, output_dtypes=dtypes,
             )[1]  # no init_value: the kernel writes every element before reading it
 
         fn = self.launchers[(slots, w)] = mx.compile(launch) if compile_enabled() else launch
@@ -969,6 +988,9 @@ def _build_plan(queries, window_keys, window_values, cache, scale) -> Optional[_
     return _StepPlan(queries, window_keys, window_values, cache, scale, max_w) if max_w >= 1 else None
 
 
+_NO_PLAN = object()  # not looked up yet (None: looked up, no one-launch step)
+
+
 def _step_plan(queries, window_keys, window_values, cache, scale) -> Optional[_StepPlan]:
     """The cached plan for this step (built on first use), or None."""
     key = _plan_key(queries, window_keys, window_values, cache, scale)
@@ -978,8 +1000,9 @@ def _step_plan(queries, window_keys, window_values, cache, scale) -> Optional[_S
             plans = _PLANS[cache.rotation] = {}
     except TypeError:  # a rotation without weak references: no caching
         return _build_plan(queries, window_keys, window_values, cache, scale)
-    if key in plans:
-        return plans[key]
+    plan = plans.get(key, _NO_PLAN)  # one hash of the long key, not two
+    if plan is not _NO_PLAN:
+        return plan
     if len(plans) > 32:
         plans.clear()
     plan = plans[key] = _build_plan(queries, window_keys, window_values, cache, scale)
