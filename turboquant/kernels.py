@@ -178,9 +178,9 @@ def mlx_source(name: str, be: str, prelude: str = "", consts: tuple = ()) -> tup
     ``consts`` are what MLX's template arguments become (the same
     declarations at the same place), for a kernel launched every decode
     step: MLX converts and formats a launch's template arguments on every
-    call (~3 us for the decode step's eight on the H200's host,
-    docs/benchmarks.md, session 24), constants in the source cost nothing
-    per call."""
+    call (2.2-2.3 us for the decode step's eight on the H200's host,
+    ``benchmarks/kernel_call_cost.py``, docs/benchmarks.md session 24);
+    constants in the source cost nothing per call."""
     header, body = kernel_source(name, be)
     for k, v in consts:
         if not isinstance(v, int):
