@@ -30,11 +30,13 @@ import gpu_attention as ga  # noqa: E402
 from turboquant import kernels  # noqa: E402
 
 
-def per_call(fn, n: int = 3000) -> float:
-    for _ in range(200):
+def per_call(fn, n: int = 3000, warm: int = 200, repeats: int = 5) -> float:
+    """Best of ``repeats`` timings of ``n`` calls (after ``warm`` calls),
+    microseconds per call."""
+    for _ in range(warm):
         fn()
     best = float("inf")
-    for _ in range(5):
+    for _ in range(repeats):
         t0 = time.perf_counter()
         for _ in range(n):
             fn()

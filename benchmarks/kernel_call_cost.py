@@ -22,23 +22,8 @@ of the dispatcher between trees, one process per tree.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import sys
-import time
 from pathlib import Path
-
-
-def per_call(fn, n: int = 4000) -> float:
-    """Best of 7 timings of ``n`` calls, microseconds per call."""
-    for _ in range(300):
-        fn()
-    best = float("inf")
-    for _ in range(7):
-        t0 = time.perf_counter()
-        for _ in range(n):
-            fn()
-        best = min(best, (time.perf_counter() - t0) / n)
-    return best * 1e6
 
 
 def main() -> int:
@@ -53,7 +38,11 @@ def main() -> int:
 
     sys.path.insert(1, str(here))
     import gpu_attention as ga
+    import host_cost
     import mlx.core as mx
+
+    def per_call(fn):
+        return host_cost.per_call(fn, 4000, warm=300, repeats=7)
 
     print(f"turboquant from {Path(K.__file__).parent}")
     n = ga.parse_len(args.tokens)
@@ -88,7 +77,7 @@ def main() -> int:
     assert K._kernel(name, "cuda", cfg["PRELUDE"], tag, consts) is kern
     templated = K._kernel(name, "cuda", cfg["PRELUDE"], tag)  # the same body, constants as template arguments
     header, body = K.mlx_source(name, "cuda", cfg["PRELUDE"], consts)
-    mlx_name = f"{name}_{hashlib.sha1((header + body).encode()).hexdigest()[:10]}{tag}"
+    mlx_name = K.mlx_kernel_name(name, header, body, tag)
     inputs, outputs = K._SIGNATURES[name]
     short = mx.fast.cuda_kernel(name=mlx_name, input_names=inputs, output_names=outputs, source="/*x*/")
     ref = kern(**cap)[1]

@@ -189,19 +189,24 @@ def mlx_source(name: str, be: str, prelude: str = "", consts: tuple = ()) -> tup
     return compact_source(header + prelude), compact_source(body)
 
 
+def mlx_kernel_name(name: str, header: str, body: str, dtypes: str = "") -> str:
+    """The name a kernel built from ``header`` + ``body`` goes by in MLX.
+
+    MLX caches compiled modules (in memory, and on disk for CUDA) by kernel
+    name + template arguments only, not by the generated signature's
+    types: the name carries a hash of the source, so an edited source is
+    never served from a stale cache, and the arrays' dtypes, so a kernel
+    built for float16 queries never runs on float32 ones."""
+    return f"{name}_{hashlib.sha1((header + body).encode()).hexdigest()[:10]}{dtypes}"
+
+
 @lru_cache(maxsize=None)
 def _kernel(name: str, be: str, prelude: str = "", dtypes: str = "", consts: tuple = ()):
     header, body = mlx_source(name, be, prelude, consts)
     inputs, outputs = _SIGNATURES[name]
-    # MLX caches compiled modules (in memory, and on disk for CUDA) by kernel
-    # name + template arguments only, not by the generated signature's
-    # types: put a hash of the source in the name, so an edited source is
-    # never served from a stale cache, and the arrays' dtypes, so a kernel
-    # built for float16 queries never runs on float32 ones.
-    digest = hashlib.sha1((header + body).encode()).hexdigest()[:10]
     make = mx.fast.metal_kernel if be == "metal" else mx.fast.cuda_kernel
     return make(
-        name=f"{name}_{digest}{dtypes}", input_names=inputs, output_names=outputs,
+        name=mlx_kernel_name(name, header, body, dtypes), input_names=inputs, output_names=outputs,
         source=body, header=header,
     )
 
