@@ -82,9 +82,20 @@ def timeit2(fns, repeats: int = 7, batch: int = 0) -> tuple[float, float]:
         total.append((t2 - t0) / batch)
         evals.append((t2 - t1) / batch)
         del outs
-    total.sort()
-    evals.sort()
-    return total[len(total) // 2], evals[len(evals) // 2]
+    return median(total), median(evals)
+
+
+def chained(step, x, caches, calls: int):
+    """``calls`` dependent calls of ``step``: each takes the previous call's
+    output and the next of ``caches`` in turn (as a model's layers)."""
+    for i in range(calls):
+        x = step(x, caches[i % len(caches)])
+    return x
+
+
+def median(xs: list) -> float:
+    xs = sorted(xs)
+    return xs[len(xs) // 2]
 
 
 def timeit_chain(step, q0, caches, batch: int, repeats: int = 5) -> float:
@@ -93,23 +104,17 @@ def timeit_chain(step, q0, caches, batch: int, repeats: int = 5) -> float:
     Independent calls in one evaluation (``timeit2``) may run side by side
     (MLX's CUDA graphs launch independent nodes concurrently), which hides a
     latency-bound kernel's idle SMs; a decoding model cannot do that."""
-    def build():
-        q = q0
-        for i in range(batch):
-            q = step(q, caches[i % len(caches)])
-        return q
-    mx.eval(build())  # warm-up/compile
+    mx.eval(chained(step, q0, caches, batch))  # warm-up/compile
     mx.synchronize()
     times = []
     for _ in range(repeats):
-        out = build()
+        out = chained(step, q0, caches, batch)
         t1 = time.perf_counter()
         mx.eval(out)
         mx.synchronize()
         times.append((time.perf_counter() - t1) / batch)
         del out
-    times.sort()
-    return times[len(times) // 2]
+    return median(times)
 
 
 def timeit_generation(step, q0, caches, layers: int = 32, tokens: int = 24, warm: int = 4,
@@ -130,9 +135,7 @@ def timeit_generation(step, q0, caches, layers: int = 32, tokens: int = 24, warm
     call, yet the device is the limit there, 0.53 ms per call evaluated
     alone).  The decode table's times say which."""
     def token(x):
-        for i in range(layers):
-            x = step(x, caches[i % len(caches)])
-        return x
+        return chained(step, x, caches, layers)
 
     x = q0
     for _ in range(warm):  # compiles, plans, and the pipeline filled

@@ -32,16 +32,11 @@ import mlx.core as mx  # noqa: E402
 def chain_costs(step, q0, caches, batch: int, repeats: int = 7) -> tuple[float, float]:
     """(submission, whole evaluation) seconds per call, medians; the calls
     cycle through ``caches`` (copies, so that no call finds its cache in L2)."""
-    def build():
-        q = q0
-        for i in range(batch):
-            q = step(q, caches[i % len(caches)])
-        return q
-    mx.eval(build())
+    mx.eval(g.chained(step, q0, caches, batch))
     mx.synchronize()
     subs, tots = [], []
     for _ in range(repeats):
-        out = build()
+        out = g.chained(step, q0, caches, batch)
         t0 = time.perf_counter()
         mx.async_eval(out)
         t1 = time.perf_counter()
@@ -51,9 +46,7 @@ def chain_costs(step, q0, caches, batch: int, repeats: int = 7) -> tuple[float, 
         subs.append((t1 - t0) / batch)
         tots.append((t2 - t0) / batch)
         del out
-    subs.sort()
-    tots.sort()
-    return subs[len(subs) // 2], tots[len(tots) // 2]
+    return g.median(subs), g.median(tots)
 
 
 def main() -> int:
