@@ -11,7 +11,7 @@ from pipeline.errors import JobFileError
 from pipeline.jobs import CacheSpec, ContextSpec, JobSpec, load_job
 from pipeline.samples import make_image_set, make_text_pdf, write_samples
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 BASE = """\
 name: t

@@ -20,7 +20,7 @@ from pipeline.checkpoint import ResultLog, latest_records, summarize
 from pipeline.errors import CheckpointError
 from pipeline.records import error_info, make_record
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def rec(i: int, status: str = "ok", size: int = 20) -> dict:

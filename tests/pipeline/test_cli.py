@@ -17,7 +17,7 @@ from pipeline.cli import main
 from pipeline.lock import JobLock
 from pipeline.samples import make_corrupt_pdf, make_text_pdf
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def make_job(tmp_path: Path, model: Path, *, docs: int = 2, tasks: int = 2, max_tokens: int = 3, extra: str = "") -> Path:

@@ -90,7 +90,7 @@ def test_bad_arguments():
 
 
 def test_generator_script_reproduces_committed_tables():
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     r = subprocess.run(
         [sys.executable, str(root / "scripts" / "gen_codebooks.py"), "--check"],
         capture_output=True, text=True, timeout=60,

@@ -39,7 +39,7 @@ from pipeline.ray_engine import (  # noqa: E402
 from pipeline.records import make_record  # noqa: E402
 from pipeline.samples import make_text_pdf  # noqa: E402
 
-TESTS_DIR = Path(__file__).resolve().parent
+TESTS_DIR = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ import pytest
 from pipeline.errors import LockHeldError
 from pipeline.lock import JobLock
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 HOLDER = textwrap.dedent(
     """
