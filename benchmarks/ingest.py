@@ -19,9 +19,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from pipeline.ingest import DocumentRef, content_hash, ingest
-from pipeline.jobs import ContextSpec
-from pipeline.samples import make_long_pdf
+from pipeline.inputs.ingest import DocumentRef, content_hash, ingest
+from pipeline.schema.job import ContextSpec
+from pipeline.inputs.samples import make_long_pdf
 
 
 def _time(fn, repeat: int) -> tuple[float, float, object]:

@@ -30,7 +30,7 @@ import click
 
 import pipeline  # noqa: F401  (fast CPU BLAS before anything imports mlx.core)
 
-from .errors import JobFileError, LockHeldError, PageRangeError, TqpipeError
+from pipeline.errors import JobFileError, LockHeldError, PageRangeError, TqpipeError
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_LOCKED = 0, 1, 2, 3
 EXIT_CODES_HELP = (
@@ -50,12 +50,12 @@ def _fail(message: str, code: int) -> None:
 
 def _load(job_path: str, pages: str | None = None, *, check_inputs: bool = True):
     """Load and check the job (exit 2 with one clear line on any problem)."""
-    from .jobs import load_job
+    from pipeline.schema.job import load_job
 
     try:
         job = load_job(job_path, check_inputs=check_inputs)
         if pages is not None:
-            from .pages import parse_page_ranges
+            from pipeline.schema.pages import parse_page_ranges
 
             parse_page_ranges(pages)
     except JobFileError as e:
@@ -97,7 +97,7 @@ def run(job_file: str, pages: str | None, dry_run: bool, retry_failed: bool, eng
 
     Progress: tqdm bars on a terminal, plain log lines otherwise (cron).
     """
-    from .progress import configure_logging
+    from pipeline.run.progress import configure_logging
 
     configure_logging(verbose)
     job = _load(job_file, pages)
@@ -109,12 +109,12 @@ def run(job_file: str, pages: str | None, dry_run: bool, retry_failed: bool, eng
               EXIT_USAGE)
     try:
         if kind == "ray" and not dry_run:
-            from . import ray_engine  # imported only when asked: Ray is heavy
+            from pipeline.run import ray_engine  # imported only when asked: Ray is heavy
 
             summary = ray_engine.run_job_on_ray(job, address=address, workers=workers, retry_failed=retry_failed,
                                                 pages=pages, progress=not no_progress)
         else:
-            from .runner import run_job
+            from pipeline.run.runner import run_job
 
             summary = run_job(job, retry_failed=retry_failed, pages=pages, dry_run=dry_run,
                               progress=not no_progress, echo=click.echo)
@@ -153,10 +153,10 @@ def watch(inbox: str, job_file: str, settle: float, poll: float, pages: str | No
     A file that is no document (``notes.txt``) is reported by name once and
     recorded as failed in the ledger, not silently ignored.
     """
-    from .ingest import expand_input
-    from .progress import configure_logging
-    from .runner import Engines, run_job
-    from .watch import InboxWatcher
+    from pipeline.inputs.ingest import expand_input
+    from pipeline.run.progress import configure_logging
+    from pipeline.run.runner import Engines, run_job
+    from pipeline.run.watch import InboxWatcher
 
     configure_logging(verbose)
     job = _load(job_file, pages, check_inputs=False)
@@ -201,9 +201,9 @@ def status(job_file: str, pages: str | None, as_json: bool) -> None:
     Pending = (document, task) pairs of the current job and config with no
     record yet.  Reads only; safe while a run is going.
     """
-    from .checkpoint import summarize
-    from .ingest import content_hash, discover
-    from .runner import task_keys, with_pages
+    from pipeline.output.results_log import summarize
+    from pipeline.inputs.ingest import content_hash, discover
+    from pipeline.run.runner import task_keys, with_pages
 
     job = with_pages(_load(job_file, pages), pages)
     expected: set[str] = set()
@@ -232,7 +232,7 @@ def status(job_file: str, pages: str | None, as_json: bool) -> None:
 @click.argument("job_file", metavar="JOB", type=click.Path(dir_okay=False))
 def validate(job_file: str) -> None:
     """Check JOB (schema, inputs, model path) without running anything."""
-    from .ingest import discover
+    from pipeline.inputs.ingest import discover
 
     job = _load(job_file)
     spec = job.spec
@@ -255,7 +255,7 @@ def validate(job_file: str) -> None:
 @click.argument("directory", default="samples", type=click.Path(file_okay=False))
 def samples(directory: str) -> None:
     """Write sample documents (text PDFs, a scanned PDF, an image set) into DIRECTORY."""
-    from .samples import write_samples
+    from pipeline.inputs.samples import write_samples
 
     t0 = time.perf_counter()
     paths = write_samples(Path(directory))

@@ -29,7 +29,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Literal, Sequence
 
-from .errors import ContextOverflowError, TqpipeError
+from pipeline.errors import ContextOverflowError, TqpipeError
 
 PAGE_SENTINEL = "\ue000{}\ue001"
 TASK_PLACEHOLDER = "\ue002task\ue003"

@@ -34,9 +34,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
-from .errors import IngestError, JobFileError, PageRangeError
-from .jobs import ContextSpec, ImageSetInput, Job
-from .pages import select_pages
+from pipeline.errors import IngestError, JobFileError, PageRangeError
+from pipeline.schema.job import ContextSpec, ImageSetInput, Job
+from pipeline.schema.pages import select_pages
 
 if TYPE_CHECKING:
     import PIL.Image

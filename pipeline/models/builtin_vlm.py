@@ -250,6 +250,6 @@ def build_tiny_vlm(out_dir: Path, seed: int = DEFAULT_SEED) -> None:
 
 def ensure_tiny_vlm(target: Path, seed: int = DEFAULT_SEED) -> Path:
     """The tiny VLM directory at ``target``, built once if needed."""
-    from .model_cache import cached_build
+    from pipeline.models.store import cached_build
 
     return cached_build(Path(target), stamp(seed), lambda tmp: build_tiny_vlm(tmp, seed))

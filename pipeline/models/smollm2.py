@@ -246,7 +246,7 @@ def convert_gguf(gguf: Path, out_dir: Path) -> None:
 
 def ensure_smollm2(target: Path, gguf: Path | None = None) -> Path:
     """The converted SmolLM2 directory at ``target``, converting once if needed."""
-    from .model_cache import cached_build
+    from pipeline.models.store import cached_build
 
     gguf = Path(gguf) if gguf is not None else gguf_path()
     return cached_build(Path(target), source_stamp(gguf), lambda tmp: convert_gguf(gguf, tmp))

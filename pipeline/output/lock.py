@@ -26,7 +26,7 @@ import orjson
 from filelock import FileLock, Timeout
 
 from pipeline.errors import LockHeldError, TqpipeError
-from pipeline.records import utc_now
+from pipeline.schema.record import utc_now
 
 logger = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ Durability rules, all enforced here:
   raised, so a half-written line never remains to be glued to the next one.
 
 Only one process may append to a results file at a time; the runner holds a
-:class:`pipeline.lock.JobLock` for that.  Readers (``summarize``,
+:class:`pipeline.output.lock.JobLock` for that.  Readers (``summarize``,
 ``iter_records``) never modify the file and are safe while a run appends.
 """
 
@@ -35,7 +35,7 @@ from typing import Any
 import orjson
 
 from pipeline.errors import CheckpointError
-from pipeline.records import json_default
+from pipeline.schema.record import json_default
 
 logger = logging.getLogger(__name__)
 

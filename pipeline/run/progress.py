@@ -19,7 +19,7 @@ import sys
 import time
 from typing import Any, Protocol
 
-logger = logging.getLogger("pipeline.progress")
+logger = logging.getLogger("pipeline.run.progress")
 
 DEFAULT_INTERVAL_S = 30.0
 

@@ -255,7 +255,7 @@ class DocumentTask:
     instead of silently breaking exactly-once.
     """
 
-    ref: Any  # pipeline.ingest.DocumentRef
+    ref: Any  # pipeline.inputs.ingest.DocumentRef
     digest: str | None  # content hash, None when the driver could not read the file
     tasks: tuple[str, ...]
     keys: tuple[str, ...] = ()
@@ -305,7 +305,7 @@ class DocumentWorker:
 
 
 def _load_engines(job: Any) -> Any:
-    from .runner import Engines
+    from pipeline.run.runner import Engines
 
     engines = Engines(job)
     engines.get(needs_images=False)
@@ -313,7 +313,7 @@ def _load_engines(job: Any) -> Any:
 
 
 def _process_document(engines: Any, job: Any, task: DocumentTask, pages: str | None) -> Iterator[dict]:
-    from .runner import process_document
+    from pipeline.run.runner import process_document
 
     wanted = set(task.tasks)
     tasks = [t for t in job.spec.tasks if t.name in wanted]
@@ -376,11 +376,11 @@ class RayRun:
         self.ready_s: float | None = None  # time until every actor had its model loaded
 
     def run(self) -> Any:
-        from .checkpoint import ResultLog
-        from .ingest import discover
-        from .lock import JobLock
-        from .progress import make_progress
-        from .runner import RunSummary, with_pages
+        from pipeline.output.results_log import ResultLog
+        from pipeline.inputs.ingest import discover
+        from pipeline.output.lock import JobLock
+        from pipeline.run.progress import make_progress
+        from pipeline.run.runner import RunSummary, with_pages
 
         # A --pages override is part of the job's context, hence of the keys,
         # exactly as in the local runner; workers then need no separate pages.
@@ -439,7 +439,7 @@ class RayRun:
 
         import ray
 
-        from .errors import TqpipeError
+        from pipeline.errors import TqpipeError
 
         t0 = time.perf_counter()
         dispatcher.start()
@@ -461,8 +461,8 @@ class RayRun:
     def _work(self, refs: list, log: Any, summary: Any, bar: Any) -> Iterator[WorkItem]:
         """The documents still to do, lazily (one content hash at a time);
         the same skip rule as the local runner."""
-        from .ingest import content_hash
-        from .runner import task_keys
+        from pipeline.inputs.ingest import content_hash
+        from pipeline.run.runner import task_keys
 
         tasks = self.job.spec.tasks
         for ref in refs:
@@ -493,7 +493,7 @@ class _Writer:
         self.retry_failed = retry_failed
 
     def records(self, item: WorkItem, records: list[dict]) -> None:
-        from .errors import TqpipeError
+        from pipeline.errors import TqpipeError
 
         task: DocumentTask = item.payload
         failed = False
@@ -519,8 +519,8 @@ class _Writer:
 
     def failure(self, item: WorkItem, error: dict) -> None:
         """Error records for every pending task of a document the workers could not finish."""
-        from .records import make_record
-        from .runner import task_keys
+        from pipeline.schema.record import make_record
+        from pipeline.run.runner import task_keys
 
         task: DocumentTask = item.payload
         digest = task.digest or "sha256:unreadable"
@@ -548,7 +548,7 @@ def _first_line(exc: BaseException) -> str:
 
 
 def _error(exc: BaseException, stage: str) -> dict:
-    from .records import error_info
+    from pipeline.schema.record import error_info
 
     return error_info(exc, stage=stage)
 
@@ -572,7 +572,7 @@ def _connect(address: str | None, cpus: float) -> bool:
     """
     import ray
 
-    from .errors import TqpipeError
+    from pipeline.errors import TqpipeError
 
     if ray.is_initialized():
         return False

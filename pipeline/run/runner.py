@@ -30,11 +30,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
 
-from .context import DocumentPrompt, PromptBuilder
-from .errors import ContextOverflowError, IngestError, TqpipeError
-from .extract import check_citations, cited_pages, missing_fields, pages_in_text, parse_json_output
-from .ingest import Document, DocumentRef, content_hash, discover, ingest
-from .records import error_info, make_record, record_key, task_config_hash
+from pipeline.inference.prompt import DocumentPrompt, PromptBuilder
+from pipeline.errors import ContextOverflowError, IngestError, TqpipeError
+from pipeline.inference.extract import check_citations, cited_pages, missing_fields, pages_in_text, parse_json_output
+from pipeline.inputs.ingest import Document, DocumentRef, content_hash, discover, ingest
+from pipeline.schema.record import error_info, make_record, record_key, task_config_hash
 
 logger = logging.getLogger(__name__)
 
@@ -109,7 +109,7 @@ class Engines:
         self.loads = 0
 
     def get(self, needs_images: bool) -> Any:
-        from .engine import Engine
+        from pipeline.inference.engine import Engine
 
         path = self.job.spec.model.path
         slot = bool(needs_images) if path is None else False
@@ -118,7 +118,7 @@ class Engines:
         if slot not in self._engines:
             loader = self._loader
             if loader is None:
-                from .models import load_model as loader
+                from pipeline.models.load import load_model as loader
             try:
                 loaded = loader(path, needs_images=slot)
             except Exception as e:
@@ -338,7 +338,7 @@ class _Tokenizers:
 def _tokenizer_only(path: str | None, images: bool) -> PromptBuilder:
     import importlib
 
-    from .models import builtin_text_model_dir, builtin_vlm_dir, is_vlm_config, read_config, resolve_model_dir
+    from pipeline.models.load import builtin_text_model_dir, builtin_vlm_dir, is_vlm_config, read_config, resolve_model_dir
 
     model_dir = (builtin_vlm_dir() if images else builtin_text_model_dir()) if path is None else resolve_model_dir(path)
     config = read_config(model_dir)
@@ -400,9 +400,9 @@ def run_job(
     has it).  ``pages`` overrides the job's ``context.pages``.  ``dry_run``
     ingests and tokenizes only: no model, no results, no lock.
     """
-    from .checkpoint import ResultLog
-    from .lock import JobLock
-    from .progress import make_progress
+    from pipeline.output.results_log import ResultLog
+    from pipeline.output.lock import JobLock
+    from pipeline.run.progress import make_progress
 
     job, pages = with_pages(job, pages), None  # the override is now in job.spec.context (and the keys)
     refs = list(discover(job) if refs is None else refs)
@@ -454,7 +454,7 @@ def run_job(
 
 
 def _run_document(engines, job, ref, todo, pages, digest, log, summary, progress) -> None:
-    from .progress import make_progress
+    from pipeline.run.progress import make_progress
 
     bars = []
     on_prefill = on_token = on_prompt = None

@@ -12,7 +12,7 @@ sync folders where inotify events never arrive, and a poll every second over
 one folder costs nothing next to running a model.
 
 Exactly once across restarts: every handled file is appended to a ledger
-(JSONL through :class:`~pipeline.checkpoint.ResultLog`, so the same atomic
+(JSONL through :class:`~pipeline.output.results_log.ResultLog`, so the same atomic
 appends and torn-line repair) with its content hash and path.  A restarted
 watcher skips ledger entries whose path, size and mtime still match without
 rereading them, and skips any file whose content hash is in the ledger, so a
@@ -35,11 +35,11 @@ from collections.abc import Callable, Iterable
 from contextlib import nullcontext
 from pathlib import Path
 
-from pipeline.checkpoint import ResultLog
+from pipeline.output.results_log import ResultLog
 from pipeline.errors import CheckpointError, IngestError, LockHeldError, TqpipeError
-from pipeline.ingest import IMAGE_SUFFIXES, DocumentRef, content_hash, natural_key
-from pipeline.lock import JobLock
-from pipeline.records import utc_now
+from pipeline.inputs.ingest import IMAGE_SUFFIXES, DocumentRef, content_hash, natural_key
+from pipeline.output.lock import JobLock
+from pipeline.schema.record import utc_now
 
 logger = logging.getLogger(__name__)
 

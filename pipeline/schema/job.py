@@ -24,8 +24,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
-from .errors import JobFileError, PageRangeError
-from .pages import parse_page_ranges
+from pipeline.errors import JobFileError, PageRangeError
+from pipeline.schema.pages import parse_page_ranges
 
 try:  # the quantizer owns the list of widths; fall back if it is not there yet
     from turboquant.widths import ALLOWED_COMPONENT_BITS, ALLOWED_KV_BITS
@@ -227,7 +227,7 @@ _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
 def _check_filesystem(job: Job, shown: str, *, check_inputs: bool = True) -> None:
-    from .ingest import expand_input  # lazy: ingest imports this module
+    from pipeline.inputs.ingest import expand_input  # lazy: ingest imports this module
 
     for i, item in enumerate(job.spec.inputs):
         key = f"inputs[{i}]" if isinstance(item, str) else f"inputs[{i}].images"

@@ -25,7 +25,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from .errors import PageRangeError
+from pipeline.errors import PageRangeError
 
 _ITEM = re.compile(r"^(-?\d+)(?:-(-?\d+)?)?$")
 

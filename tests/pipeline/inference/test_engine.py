@@ -9,9 +9,9 @@ import mlx.nn as nn
 import pytest
 from mlx_lm.models import llama
 
-from pipeline.context import DocumentPrompt
-from pipeline.engine import Engine
-from pipeline.jobs import CacheSpec, TaskSpec
+from pipeline.inference.prompt import DocumentPrompt
+from pipeline.inference.engine import Engine
+from pipeline.schema.job import CacheSpec, TaskSpec
 
 VOCAB = 96
 
@@ -175,9 +175,9 @@ from fixtures_models import *  # noqa: E402,F403
 def _vlm_prompt(tiny_vlm_model):
     from PIL import Image
 
-    from pipeline.context import PromptBuilder
-    from pipeline.ingest import Document, DocumentRef, Page
-    from pipeline.jobs import ContextSpec
+    from pipeline.inference.prompt import PromptBuilder
+    from pipeline.inputs.ingest import Document, DocumentRef, Page
+    from pipeline.schema.job import ContextSpec
 
     pages = [
         Page(1, "Harbor report. Revenue grew by 12 percent in the third quarter.", None, False),
@@ -235,7 +235,7 @@ def test_vlm_three_tasks_one_prefill(tiny_vlm_model):
 
 
 def test_chunks_never_split_a_page_image():
-    from pipeline.engine import _chunks
+    from pipeline.inference.engine import _chunks
 
     spans = [(5, 12, {"img": 1}), (20, 22, {"img": 2})]
     chunks = list(_chunks(30, 8, spans))
@@ -282,7 +282,7 @@ def test_chunked_prefill_bounds_peak_memory():
 def test_job_quantizer_reaches_the_cache():
     """``cache.quantizer: tcq`` in a job builds trellis-coded caches (and the
     default builds the scalar ones the GPU kernels read)."""
-    from pipeline.engine import _make_cache
+    from pipeline.inference.engine import _make_cache
     from turboquant.trellis import TrellisCodec
 
     args = llama.ModelArgs(model_type="llama", hidden_size=64, num_hidden_layers=2, intermediate_size=128,

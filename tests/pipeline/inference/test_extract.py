@@ -1,4 +1,4 @@
-from pipeline.extract import (
+from pipeline.inference.extract import (
     check_citations,
     cited_pages,
     missing_fields,

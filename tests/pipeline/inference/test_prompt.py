@@ -8,11 +8,11 @@ import pytest
 from fixtures_models import *  # noqa: F403  (session model fixtures)
 from PIL import Image
 
-from pipeline.context import ImagesNeedVLMError, PromptBuilder, task_text
+from pipeline.inference.prompt import ImagesNeedVLMError, PromptBuilder, task_text
 from pipeline.errors import ContextOverflowError
-from pipeline.ingest import Document, DocumentRef, Page
-from pipeline.jobs import ContextSpec, TaskSpec
-from pipeline.runner import _tokenizer_only
+from pipeline.inputs.ingest import Document, DocumentRef, Page
+from pipeline.schema.job import ContextSpec, TaskSpec
+from pipeline.run.runner import _tokenizer_only
 
 TASKS = [
     TaskSpec(name="summary", prompt="Summarize the document.", max_tokens=16),

@@ -1,4 +1,4 @@
-"""Discovery, hashing and ingestion of PDFs and image sets (pipeline.ingest)."""
+"""Discovery, hashing and ingestion of PDFs and image sets (pipeline.inputs.ingest)."""
 
 import time
 from pathlib import Path
@@ -6,11 +6,11 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from pipeline import ingest as ingest_mod
+from pipeline.inputs import ingest as ingest_mod
 from pipeline.errors import IngestError
-from pipeline.ingest import DocumentRef, content_hash, discover, ingest, natural_key
-from pipeline.jobs import ContextSpec, load_job
-from pipeline.samples import (
+from pipeline.inputs.ingest import DocumentRef, content_hash, discover, ingest, natural_key
+from pipeline.schema.job import ContextSpec, load_job
+from pipeline.inputs.samples import (
     IMAGESET_PAGES,
     SAMPLE_FACTS,
     make_broken_page_pdf,
@@ -310,7 +310,7 @@ def test_scanned_detection_rule(tmp_path):
     """Scanned = no text, or almost no text (a stray page number) on a page with images."""
     import pymupdf
 
-    from pipeline.samples import make_scanned_pdf
+    from pipeline.inputs.samples import make_scanned_pdf
 
     scan = pymupdf.open(make_scanned_pdf(tmp_path / "s.pdf", ["scanned body text"]))
     scan[0].insert_text((500, 820), "12")  # an OCR'd page number over the picture

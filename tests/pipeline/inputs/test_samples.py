@@ -1,4 +1,4 @@
-"""Sample document generator (pipeline.samples): contents, determinism, damaged files."""
+"""Sample document generator (pipeline.inputs.samples): contents, determinism, damaged files."""
 
 import subprocess
 import sys
@@ -7,7 +7,7 @@ from pathlib import Path
 import pymupdf
 import pytest
 
-from pipeline.samples import (
+from pipeline.inputs.samples import (
     IMAGESET_PAGES,
     SAMPLE_FACTS,
     long_pdf_code_word,
@@ -54,7 +54,7 @@ def test_scanned_sample_has_only_images(tmp_path):
 def test_samples_are_byte_identical_across_runs_and_processes(tmp_path):
     write_samples(tmp_path / "a")
     write_samples(tmp_path / "b")
-    code = "import sys; from pipeline.samples import write_samples; write_samples(sys.argv[1])"
+    code = "import sys; from pipeline.inputs.samples import write_samples; write_samples(sys.argv[1])"
     subprocess.run([sys.executable, "-c", code, str(tmp_path / "c")], check=True)
     a = tree_bytes(tmp_path / "a")
     assert len(a) == 7 and a == tree_bytes(tmp_path / "b") == tree_bytes(tmp_path / "c")

@@ -11,7 +11,7 @@ from mlx_vlm.prompt_utils import apply_chat_template
 from PIL import Image
 
 from fixtures_models import *  # noqa: F401,F403
-from pipeline import builtin_vlm
+from pipeline.models import builtin_vlm
 
 
 def _image(seed: int, h: int = 80, w: int = 96) -> Image.Image:

@@ -12,8 +12,8 @@ import pytest
 from mlx.utils import tree_flatten
 
 from fixtures_models import *  # noqa: F401,F403
-from pipeline import model_cache, models
-from pipeline.models import BUILTIN_TEXT, BUILTIN_VLM, ModelLoadError, is_vlm_config, load_model
+from pipeline.models import load as models, store as model_cache
+from pipeline.models.load import BUILTIN_TEXT, BUILTIN_VLM, ModelLoadError, is_vlm_config, load_model
 
 
 def _dtypes(module: nn.Module) -> set:

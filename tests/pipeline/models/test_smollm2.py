@@ -8,7 +8,7 @@ import pytest
 from safetensors import safe_open
 
 from fixtures_models import *  # noqa: F401,F403
-from pipeline import smollm2
+from pipeline.models import smollm2
 
 
 def llama_cpp_permute(w: mx.array, n_heads: int) -> mx.array:

@@ -12,14 +12,14 @@ import orjson
 import pytest
 
 from pipeline.errors import LockHeldError
-from pipeline.lock import JobLock
+from pipeline.output.lock import JobLock
 
 REPO = Path(__file__).resolve().parents[2]
 
 HOLDER = textwrap.dedent(
     """
     import sys, time
-    from pipeline.lock import JobLock
+    from pipeline.output.lock import JobLock
     with JobLock(sys.argv[1], job="nightly"):
         print("locked", flush=True)
         time.sleep(60)
@@ -30,7 +30,7 @@ CONTENDER = textwrap.dedent(
     """
     import sys
     from pipeline.errors import LockHeldError
-    from pipeline.lock import JobLock
+    from pipeline.output.lock import JobLock
     try:
         with JobLock(sys.argv[1]):
             print("acquired", flush=True)

@@ -15,10 +15,10 @@ from pathlib import Path
 import orjson
 import pytest
 
-import pipeline.checkpoint as checkpoint
-from pipeline.checkpoint import ResultLog, latest_records, summarize
+import pipeline.output.results_log as checkpoint
+from pipeline.output.results_log import ResultLog, latest_records, summarize
 from pipeline.errors import CheckpointError
-from pipeline.records import error_info, make_record
+from pipeline.schema.record import error_info, make_record
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -170,8 +170,8 @@ def test_summarize_counts_against_expected_keys(tmp_path):
 CHILD = textwrap.dedent(
     """
     import random, sys, time
-    from pipeline.checkpoint import ResultLog
-    from pipeline.records import make_record
+    from pipeline.output.results_log import ResultLog
+    from pipeline.schema.record import make_record
     path, n, seed = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     rng = random.Random(seed)
     with ResultLog(path) as log:

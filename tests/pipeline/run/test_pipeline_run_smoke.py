@@ -13,8 +13,8 @@ from fixtures_models import *  # noqa: F403
 
 from benchmarks import pipeline_run
 from pipeline.cli import main
-from pipeline.jobs import load_job
-from pipeline.samples import make_long_pdf
+from pipeline.schema.job import load_job
+from pipeline.inputs.samples import make_long_pdf
 
 
 def _job(tmp_path: Path, scheme: str, model: Path | None = None) -> Path:

@@ -7,8 +7,8 @@ import sys
 import pytest
 from tqdm import tqdm
 
-import pipeline.progress as progress
-from pipeline.progress import LogProgress, configure_logging, make_progress
+import pipeline.run.progress as progress
+from pipeline.run.progress import LogProgress, configure_logging, make_progress
 
 
 class FakeClock:
@@ -47,7 +47,7 @@ def test_mode_follows_terminal_and_env(monkeypatch):
 
 def test_log_lines_are_rate_limited_and_final_line_summarizes(clock, caplog, monkeypatch):
     monkeypatch.setenv("TQPIPE_PROGRESS_INTERVAL", "5")
-    caplog.set_level(logging.INFO, logger="pipeline.progress")
+    caplog.set_level(logging.INFO, logger="pipeline.run.progress")
     with make_progress(10, "documents") as p:
         assert isinstance(p, LogProgress)
         for _ in range(3):
@@ -66,7 +66,7 @@ def test_log_lines_are_rate_limited_and_final_line_summarizes(clock, caplog, mon
 
 
 def test_unknown_total_units_and_string_postfix(clock, caplog):
-    caplog.set_level(logging.INFO, logger="pipeline.progress")
+    caplog.set_level(logging.INFO, logger="pipeline.run.progress")
     p = LogProgress(None, "prefill", unit="tok", interval=0)
     p.set_postfix(doc="a.pdf")
     clock.t += 2
@@ -75,7 +75,7 @@ def test_unknown_total_units_and_string_postfix(clock, caplog):
 
 
 def test_leave_false_logs_final_line_at_debug(clock, caplog):
-    caplog.set_level(logging.DEBUG, logger="pipeline.progress")
+    caplog.set_level(logging.DEBUG, logger="pipeline.run.progress")
     with make_progress(5, "decode", leave=False) as p:
         p.update(5)
     assert [r.levelno for r in caplog.records] == [logging.DEBUG]
@@ -86,7 +86,7 @@ def test_leave_false_logs_final_line_at_debug(clock, caplog):
 
 def test_off_mode_counts_but_never_logs(monkeypatch, caplog):
     monkeypatch.setenv("TQPIPE_PROGRESS", "off")
-    caplog.set_level(logging.DEBUG, logger="pipeline.progress")
+    caplog.set_level(logging.DEBUG, logger="pipeline.run.progress")
     with make_progress(2, "documents") as p:
         p.update(2)
     assert p.n == 2 and caplog.records == []

@@ -27,8 +27,8 @@ import pytest
 ray = pytest.importorskip("ray")
 
 from fixtures_models import smollm2_dir, tqpipe_models_home  # noqa: E402,F401
-from pipeline.jobs import load_job  # noqa: E402
-from pipeline.ray_engine import (  # noqa: E402
+from pipeline.schema.job import load_job  # noqa: E402
+from pipeline.run.ray_engine import (  # noqa: E402
     Dispatcher,
     DocumentTask,
     DocumentWorker,
@@ -36,8 +36,8 @@ from pipeline.ray_engine import (  # noqa: E402
     WorkItem,
     _process_document,
 )
-from pipeline.records import make_record  # noqa: E402
-from pipeline.samples import make_text_pdf  # noqa: E402
+from pipeline.schema.record import make_record  # noqa: E402
+from pipeline.inputs.samples import make_text_pdf  # noqa: E402
 
 TESTS_DIR = Path(__file__).resolve().parents[1]
 
@@ -89,8 +89,8 @@ def read_records(path: Path) -> list[dict]:
 
 def assert_exactly_once(records: list[dict], job) -> None:
     """Every (document, task) of the job has exactly one record."""
-    from pipeline.ingest import content_hash, discover
-    from pipeline.runner import task_keys
+    from pipeline.inputs.ingest import content_hash, discover
+    from pipeline.run.runner import task_keys
 
     expected = Counter(k for ref in discover(job) for k in task_keys(job, content_hash(ref)).values())
     assert Counter(r["key"] for r in records) == expected
@@ -333,8 +333,8 @@ def test_back_pressure_on_many_documents(cluster, tmp_path, n):
 DRIVER = """
 import functools, sys
 import test_ray_engine as t
-from pipeline.jobs import load_job
-from pipeline.ray_engine import run_job_on_ray
+from pipeline.schema.job import load_job
+from pipeline.run.ray_engine import run_job_on_ray
 run_job_on_ray(load_job(sys.argv[2]), address=sys.argv[1], progress=False, num_cpus_per_worker=0.5,
                setup=t.fake_setup, process=functools.partial(t.fake_records, delay=0.1))
 """
@@ -368,14 +368,14 @@ def test_killed_driver_resumes_from_the_checkpoint(cluster, tmp_path):
 def test_importing_the_ray_engine_does_not_import_ray():
     """The local engine's CLI path may import this module's names cheaply;
     Ray itself loads only when a Ray run starts."""
-    code = "import sys, pipeline.ray_engine, pipeline.runner; sys.exit('ray' in sys.modules)"
+    code = "import sys, pipeline.run.ray_engine, pipeline.run.runner; sys.exit('ray' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
 
 
 def test_pages_override_is_part_of_the_keys(cluster, tmp_path):
     """``--pages`` changes the record keys as in the local runner, so output
     for pages 1-1 never counts as done for a run over whole documents."""
-    from pipeline.runner import with_pages
+    from pipeline.run.runner import with_pages
 
     job = load_job(write_job(tmp_path, 2, tasks=TWO_TASKS, pdf=False))
     first = RayRun(job, pages="1", progress=False, num_cpus_per_worker=0.5, setup=fake_setup,

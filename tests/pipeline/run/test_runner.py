@@ -8,13 +8,13 @@ import orjson
 import pytest
 from fixtures_models import *  # noqa: F403
 
-from pipeline.checkpoint import iter_records
+from pipeline.output.results_log import iter_records
 from pipeline.errors import LockHeldError
-from pipeline.jobs import load_job
-from pipeline.lock import JobLock
-from pipeline.runner import Engines, process_document, run_job, task_keys
-from pipeline.ingest import discover
-from pipeline.samples import make_corrupt_pdf, make_scanned_pdf, make_text_pdf
+from pipeline.schema.job import load_job
+from pipeline.output.lock import JobLock
+from pipeline.run.runner import Engines, process_document, run_job, task_keys
+from pipeline.inputs.ingest import discover
+from pipeline.inputs.samples import make_corrupt_pdf, make_scanned_pdf, make_text_pdf
 
 PAGES_A = ["Harbor report, page one. Revenue grew by 12 percent.", "Page two. Author: Ada Lovelace.", "Page three. Total 1250 EUR."]
 PAGES_B = ["Minutes of the board meeting held on 2024-03-01.", "Decision: approve the dredging budget."]
@@ -160,7 +160,7 @@ def test_process_document_yields_records_and_writes_nothing(tmp_path, docs, tiny
     assert not job.output_path.exists()
     orjson.dumps(out)  # records are plain JSON
     # a pages override (as the Ray engine passes it) selects pages and keys the records by it
-    from pipeline.runner import with_pages
+    from pipeline.run.runner import with_pages
 
     one = list(process_document(Engines(job), job, ref, tasks=job.spec.tasks[:1], pages="1"))
     assert one[0]["pages"]["included"] == [1]
@@ -171,12 +171,12 @@ def test_dry_run_loads_no_model(tmp_path, docs, smollm2_dir, monkeypatch):
     import mlx_lm
     import mlx_vlm
 
-    import pipeline.models
+    import pipeline.models.load
 
     def forbidden(*a, **k):
         raise AssertionError("dry run loaded a model")
 
-    monkeypatch.setattr(pipeline.models, "load_model", forbidden)
+    monkeypatch.setattr(pipeline.models.load, "load_model", forbidden)
     monkeypatch.setattr(mlx_lm, "load", forbidden)
     monkeypatch.setattr(mlx_vlm, "load", forbidden)
     job = load_job(write_job(tmp_path, model=None))
@@ -229,10 +229,10 @@ def test_text_model_on_scanned_pages_is_an_error_record(tmp_path, docs, smollm2_
 def test_json_record_checks_cited_pages_and_fields():
     from types import SimpleNamespace
 
-    from pipeline.context import DocumentPrompt
-    from pipeline.engine import TaskResult
-    from pipeline.jobs import TaskSpec
-    from pipeline.runner import _ok_record
+    from pipeline.inference.prompt import DocumentPrompt
+    from pipeline.inference.engine import TaskResult
+    from pipeline.schema.job import TaskSpec
+    from pipeline.run.runner import _ok_record
 
     job = SimpleNamespace(spec=SimpleNamespace(name="j", context=SimpleNamespace(max_tokens=100, overflow="error", images="auto")))
     ref = SimpleNamespace(doc_id="d.pdf", source=Path("/d.pdf"))
@@ -256,7 +256,7 @@ def test_json_record_checks_cited_pages_and_fields():
 
 
 def test_context_is_capped_at_the_models_own_limit(tmp_path, docs, tiny_vlm_dir, monkeypatch):
-    from pipeline.models import load_model
+    from pipeline.models.load import load_model
 
     def small_context(path, needs_images=False):
         loaded = load_model(path, needs_images=needs_images)

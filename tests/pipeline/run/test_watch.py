@@ -8,8 +8,8 @@ import orjson
 import pytest
 
 from pipeline.errors import LockHeldError, TqpipeError
-from pipeline.lock import JobLock
-from pipeline.watch import InboxWatcher
+from pipeline.output.lock import JobLock
+from pipeline.run.watch import InboxWatcher
 
 SETTLE = 0.4
 

@@ -1,9 +1,9 @@
-"""Page-range syntax and resolution (pipeline.pages)."""
+"""Page-range syntax and resolution (pipeline.schema.pages)."""
 
 import pytest
 
 from pipeline.errors import PageRangeError
-from pipeline.pages import LAST, parse_page_ranges, select_pages
+from pipeline.schema.pages import LAST, parse_page_ranges, select_pages
 
 
 @pytest.mark.parametrize(

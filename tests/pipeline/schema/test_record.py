@@ -7,7 +7,7 @@ import orjson
 import pytest
 from pydantic import BaseModel
 
-from pipeline.records import (
+from pipeline.schema.record import (
     SCHEMA_VERSION,
     error_info,
     make_record,
