@@ -14,7 +14,7 @@ import pytest
 from pipeline.errors import LockHeldError
 from pipeline.output.lock import JobLock
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 HOLDER = textwrap.dedent(
     """

@@ -20,7 +20,7 @@ from pipeline.output.results_log import ResultLog, latest_records, summarize
 from pipeline.errors import CheckpointError
 from pipeline.schema.record import error_info, make_record
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def rec(i: int, status: str = "ok", size: int = 20) -> dict:

@@ -39,7 +39,7 @@ from pipeline.run.ray_engine import (  # noqa: E402
 from pipeline.schema.record import make_record  # noqa: E402
 from pipeline.inputs.samples import make_text_pdf  # noqa: E402
 
-TESTS_DIR = Path(__file__).resolve().parents[1]
+TESTS_DIR = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

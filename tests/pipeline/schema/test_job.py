@@ -11,7 +11,7 @@ from pipeline.errors import JobFileError
 from pipeline.schema.job import CacheSpec, ContextSpec, JobSpec, load_job
 from pipeline.inputs.samples import make_image_set, make_text_pdf, write_samples
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 BASE = """\
 name: t
