@@ -19,7 +19,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from pipeline.inputs.ingest import DocumentRef, content_hash, ingest
+from pipeline.inputs.discover import DocumentRef, content_hash
+from pipeline.inputs.ingest import ingest
 from pipeline.schema.job import ContextSpec
 from pipeline.inputs.samples import make_long_pdf
 

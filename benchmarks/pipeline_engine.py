@@ -29,7 +29,8 @@ import mlx.core as mx
 
 from pipeline.inference.prompt import PromptBuilder
 from pipeline.inference.engine import Engine
-from pipeline.inputs.ingest import DocumentRef, ingest
+from pipeline.inputs.discover import DocumentRef
+from pipeline.inputs.ingest import ingest
 from pipeline.schema.job import CacheSpec, ContextSpec, TaskSpec
 from pipeline.models.load import load_model
 from pipeline.inputs.samples import long_pdf_code_word, make_long_pdf

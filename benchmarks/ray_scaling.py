@@ -78,7 +78,7 @@ def model_seconds(results: Path) -> dict:
 
 def timed_run(job_path: Path, workers: int | None) -> dict:
     """One run; ``workers=None`` is the local engine."""
-    from pipeline.schema.job import load_job
+    from pipeline.inputs.job_file import load_job
 
     job = load_job(job_path)
     t0 = time.perf_counter()

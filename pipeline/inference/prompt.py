@@ -265,3 +265,24 @@ def _ranges(numbers: list[int]) -> str:
     if start is not None:
         out.append(f"{start}-{prev}" if start != prev else str(start))
     return ", ".join(out)
+
+
+def model_context_limit(config: dict | None) -> int | None:
+    """The model's trained context length (``max_position_embeddings``), if it says."""
+    config = config or {}
+    limit = config.get("max_position_embeddings") or (config.get("text_config") or {}).get("max_position_embeddings")
+    return int(limit) if limit else None
+
+
+def effective_context(context: Any, config: dict | None) -> Any:
+    """``context`` with ``max_tokens`` capped at the model's own limit.
+
+    A job may ask for 32k tokens of a model trained on 8k; past its limit a
+    model's positions are out of distribution and answers degrade silently,
+    so the cap applies the job's overflow policy at the model's limit instead
+    (the record's ``context.model_max_tokens`` says so).
+    """
+    limit = model_context_limit(config)
+    if limit is None or limit >= context.max_tokens:
+        return context
+    return context.model_copy(update={"max_tokens": limit})

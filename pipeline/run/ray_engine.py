@@ -30,221 +30,12 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator
 
+from pipeline.run.dispatch import DispatchStats, Dispatcher, WorkItem, first_line
+
 logger = logging.getLogger(__name__)
-
-# Failures that mean "the worker (process or node) is gone", not "the document
-# is bad": the document is retried elsewhere.  Resolved lazily (Ray import).
-_LOST_WORKER_ERRORS = ("RayActorError", "WorkerCrashedError", "OutOfMemoryError", "ObjectLostError")
-
-
-@dataclass
-class WorkItem:
-    """One document on its way through the cluster.
-
-    ``payload`` is what the worker needs (pickled to it); ``attempts`` counts
-    the worker deaths charged to this document; ``suspect`` marks a document
-    that was on a worker when it died, which from then on runs alone on its
-    worker (see :class:`Dispatcher`).
-    """
-
-    doc_id: str
-    payload: Any
-    attempts: int = 0
-    suspect: bool = False
-    errors: list[str] = field(default_factory=list)
-
-
-@dataclass
-class DispatchStats:
-    """What the dispatcher did; the tests read the bounds from here."""
-
-    submitted: int = 0
-    completed: int = 0
-    gave_up: int = 0
-    worker_deaths: int = 0
-    resubmitted: int = 0
-    max_in_flight: int = 0
-    # Items taken from the source and not yet finished (in flight + waiting to
-    # be resubmitted): the driver's whole working set of documents.
-    max_outstanding: int = 0
-
-
-@dataclass
-class _Slot:
-    """One worker position; its actor is replaced when it dies."""
-
-    index: int
-    actor: Any
-    queue: list = field(default_factory=list)  # ObjectRefs, submission order
-    isolated: bool = False  # running a suspect: nothing else is queued behind it
-
-
-class Dispatcher:
-    """Bounded, retrying distribution of ``WorkItem``s over replaceable actors.
-
-    Kept free of pipeline concerns (files, records) so its guarantees - the
-    in-flight bound, lazy pulling, charging a death to the right document - can
-    be tested on their own.
-
-    ``make_actor(index)`` creates an actor whose ``process.remote(payload)``
-    returns the document's result.  Each actor has up to
-    ``max_in_flight_per_worker`` calls queued so it never waits for the
-    driver.  When an actor dies, which of its queued documents killed it is
-    not knowable from outside: not even "the oldest" - a worker that dies
-    right after finishing a call can lose that call's reply, and Ray then
-    reports the finished call as failed too.  So a death with several
-    documents outstanding charges none of them: all become *suspects* and are
-    resubmitted, each running alone on a worker (nothing queued behind it).
-    A death with one document outstanding is unambiguous and charges it one
-    attempt; after ``max_retries + 1`` charged attempts it is given up.  No
-    result reached the driver from any of them, so nothing is written twice.
-    """
-
-    def __init__(
-        self,
-        make_actor: Callable[[int], Any],
-        *,
-        workers: int,
-        max_in_flight_per_worker: int,
-        max_retries: int,
-    ):
-        if workers < 1:
-            raise ValueError(f"workers must be >= 1 (got {workers})")
-        if max_in_flight_per_worker < 1:
-            raise ValueError(f"max_in_flight_per_worker must be >= 1 (got {max_in_flight_per_worker})")
-        if max_retries < 0:
-            raise ValueError(f"max_retries must be >= 0 (got {max_retries})")
-        self.make_actor = make_actor
-        self.workers = workers
-        self.per_worker = max_in_flight_per_worker
-        self.max_retries = max_retries
-        self.stats = DispatchStats()
-        self.slots: list[_Slot] = []
-
-    def start(self) -> None:
-        """Create the actors (idempotent).  Separate so callers can wait for them."""
-        if not self.slots:
-            self.slots = [_Slot(i, self.make_actor(i)) for i in range(self.workers)]
-
-    def run(
-        self,
-        source: Iterable[WorkItem],
-        on_result: Callable[[WorkItem, Any], None],
-        on_error: Callable[[WorkItem, BaseException], None],
-        on_give_up: Callable[[WorkItem], None],
-    ) -> DispatchStats:
-        """Process every item of ``source`` exactly once (result, error or give-up).
-
-        ``on_result`` gets the worker's return value; ``on_error`` an exception
-        raised by the document's own processing (deterministic, so not
-        retried); ``on_give_up`` an item charged ``max_retries + 1`` worker
-        deaths.  Callbacks run on the driver, one at a time, right after each
-        document finishes.
-        """
-        import ray
-
-        lost = tuple(getattr(ray.exceptions, name) for name in _LOST_WORKER_ERRORS)
-        self.start()
-        source = iter(source)
-        retry: deque[WorkItem] = deque()
-        pending: dict[Any, tuple[_Slot, WorkItem]] = {}
-        held: WorkItem | None = None  # taken from source/retry, waiting for a slot
-        exhausted = False
-        stats = self.stats
-
-        while True:
-            while True:
-                if held is None:
-                    if retry:
-                        held = retry.popleft()
-                    elif not exhausted and self._slot_for(None) is not None:
-                        # Pull only when it can be submitted: the source is
-                        # never read ahead of the in-flight bound.
-                        held = next(source, None)
-                        exhausted = held is None
-                if held is None:
-                    break
-                slot = self._slot_for(held)
-                if slot is None:
-                    break
-                obj = slot.actor.process.remote(held.payload)
-                slot.queue.append(obj)
-                slot.isolated = held.suspect
-                pending[obj] = (slot, held)
-                held = None
-                stats.submitted += 1
-                stats.max_in_flight = max(stats.max_in_flight, len(pending))
-            stats.max_outstanding = max(stats.max_outstanding, len(pending) + len(retry) + (held is not None))
-            if not pending:
-                return stats
-
-            (obj,), _ = ray.wait(list(pending), num_returns=1)
-            slot, item = pending[obj]
-            try:
-                result = ray.get(obj)
-            except lost as exc:
-                self._worker_lost(slot, exc, pending, retry, on_give_up)
-                continue
-            except ray.exceptions.RayTaskError as exc:
-                result, error = None, exc.as_instanceof_cause()
-            else:
-                error = None
-            del pending[obj]
-            slot.queue.remove(obj)
-            slot.isolated = False
-            stats.completed += 1
-            if error is None:
-                on_result(item, result)
-            else:
-                on_error(item, error)
-
-    def _slot_for(self, item: WorkItem | None) -> _Slot | None:
-        """The least busy slot that may take ``item`` (None: a fresh one) now,
-        or None: wait for a call to finish."""
-        open_slots = [s for s in self.slots if not s.isolated and len(s.queue) < self.per_worker]
-        if item is not None and item.suspect:
-            open_slots = [s for s in open_slots if not s.queue]
-        return min(open_slots, key=lambda s: len(s.queue), default=None)
-
-    def _worker_lost(self, slot: _Slot, exc: BaseException, pending: dict, retry: deque, on_give_up) -> None:
-        """Replace the actor; charge its document if the death is unambiguous,
-        else make suspects of all its documents; resubmit them first."""
-        import ray
-
-        message = _first_line(exc)
-        victims = [pending.pop(o)[1] for o in slot.queue]
-        slot.queue.clear()
-        slot.isolated = False
-        self.stats.worker_deaths += 1
-        try:
-            ray.kill(slot.actor, no_restart=True)
-        except Exception:  # already gone
-            pass
-        slot.actor = self.make_actor(slot.index)
-
-        if len(victims) == 1:
-            [item] = victims
-            item.attempts += 1
-            item.errors.append(message)
-            logger.warning("worker %d died while processing %s (attempt %d of %d): %s",
-                           slot.index, item.doc_id, item.attempts, self.max_retries + 1, message)
-            if item.attempts > self.max_retries:
-                victims = []
-                self.stats.completed += 1
-                self.stats.gave_up += 1
-                on_give_up(item)
-        else:
-            logger.warning("worker %d died with %d documents queued (%s); retrying each alone: %s",
-                           slot.index, len(victims), ", ".join(v.doc_id for v in victims), message)
-        for item in reversed(victims):
-            item.suspect = True
-            retry.appendleft(item)
-            self.stats.resubmitted += 1
-
 
 @dataclass(frozen=True)
 class DocumentTask:
@@ -264,12 +55,12 @@ class DocumentTask:
 class DocumentWorker:
     """The body of one Ray actor: a loaded model that processes whole documents.
 
-    ``setup(job)`` runs once per actor: by default it builds the runner's
+    ``setup(job)`` runs once per actor: by default it builds the job's
     ``Engines`` and loads the job's model now (the built-in text model for a
     job without one; the built-in VLM loads on the first document with page
     images), so load errors show up before any document is handed out.
-    ``process(state, job, task, pages)`` returns the records of one
-    document, by default through ``runner.process_document``.  Tests inject
+    ``process(state, job, task)`` returns the records of one document, by
+    default through :func:`pipeline.run.document.process_document`.  Tests inject
     cheap fakes through these two parameters - the only seam.  The actor
     writes nothing: records go back to the driver.
     """
@@ -278,14 +69,12 @@ class DocumentWorker:
         self,
         job: Any,
         *,
-        pages: str | None = None,
         setup: Callable[[Any], Any] | None = None,
-        process: Callable[[Any, Any, Any, str | None], Iterable[dict]] | None = None,
+        process: Callable[[Any, Any, Any], Iterable[dict]] | None = None,
     ):
         import socket
 
         self.job = job
-        self.pages = pages
         self.where = {"host": socket.gethostname(), "pid": os.getpid()}
         self._process = process or _process_document
         self.state = (setup or _load_engines)(job)
@@ -298,26 +87,26 @@ class DocumentWorker:
         return os.getpid()
 
     def process(self, task: Any) -> list[dict]:
-        records = list(self._process(self.state, self.job, task, self.pages))
+        records = list(self._process(self.state, self.job, task))
         for record in records:
             record["worker"] = self.where
         return records
 
 
 def _load_engines(job: Any) -> Any:
-    from pipeline.run.runner import Engines
+    from pipeline.inference.engines import Engines
 
     engines = Engines(job)
     engines.get(needs_images=False)
     return engines
 
 
-def _process_document(engines: Any, job: Any, task: DocumentTask, pages: str | None) -> Iterator[dict]:
-    from pipeline.run.runner import process_document
+def _process_document(engines: Any, job: Any, task: DocumentTask) -> Iterator[dict]:
+    from pipeline.run.document import process_document
 
     wanted = set(task.tasks)
     tasks = [t for t in job.spec.tasks if t.name in wanted]
-    return process_document(engines, job, task.ref, tasks=tasks, pages=pages, digest=task.digest)
+    return process_document(engines, job, task.ref, tasks=tasks, digest=task.digest)
 
 
 # -- the driver -----------------------------------------------------------------
@@ -332,8 +121,9 @@ def run_job_on_ray(job: Any, **options: Any) -> Any:
 
     ``options`` are :class:`RayRun`'s: ``address`` and ``workers`` override the
     job's ``engine:`` block (with no address a private local cluster of
-    ``workers`` CPUs is started and shut down at the end); ``retry_failed``,
-    ``pages`` and ``progress`` as in the local runner; ``setup``/``process``
+    ``workers`` CPUs is started and shut down at the end); ``retry_failed``
+    and ``progress`` as in the local runner (a ``--pages`` override is
+    already in ``job``); ``setup``/``process``
     replace the model work inside the actors (tests only; see
     :class:`DocumentWorker`).
     """
@@ -350,12 +140,11 @@ class RayRun:
         address: str | None = None,
         workers: int | None = None,
         retry_failed: bool = False,
-        pages: str | None = None,
         progress: bool = True,
         num_cpus_per_worker: float = 1.0,
         ready_timeout_s: float = 600.0,
         setup: Callable[[Any], Any] | None = None,
-        process: Callable[[Any, Any, Any, str | None], Iterable[dict]] | None = None,
+        process: Callable[[Any, Any, Any], Iterable[dict]] | None = None,
         refs: Iterable[Any] | None = None,
     ):
         spec = job.spec.engine
@@ -365,7 +154,6 @@ class RayRun:
         self.max_retries = spec.max_retries
         self.per_worker = spec.max_in_flight_per_worker
         self.retry_failed = retry_failed
-        self.pages = pages
         self.progress = progress
         self.num_cpus = num_cpus_per_worker
         self.ready_timeout_s = ready_timeout_s
@@ -376,15 +164,12 @@ class RayRun:
         self.ready_s: float | None = None  # time until every actor had its model loaded
 
     def run(self) -> Any:
-        from pipeline.output.results_log import ResultLog
-        from pipeline.inputs.ingest import discover
+        from pipeline.inputs.discover import discover
         from pipeline.output.lock import JobLock
+        from pipeline.output.results_log import ResultLog
         from pipeline.run.progress import make_progress
-        from pipeline.run.runner import RunSummary, with_pages
+        from pipeline.run.runner import RunSummary
 
-        # A --pages override is part of the job's context, hence of the keys,
-        # exactly as in the local runner; workers then need no separate pages.
-        self.job, self.pages = with_pages(self.job, self.pages), None
         refs = list(discover(self.job) if self.refs is None else self.refs)
         summary = RunSummary(documents=len(refs))
         job = self.job
@@ -430,7 +215,7 @@ class RayRun:
 
         remote = ray.remote(num_cpus=self.num_cpus, max_restarts=0)(DocumentWorker)
         job = ray.put(self.job)  # once, not once per (re)started actor
-        return lambda index: remote.remote(job, pages=self.pages, setup=self.setup, process=self.process)
+        return lambda index: remote.remote(job, setup=self.setup, process=self.process)
 
     def _start(self, dispatcher: Dispatcher) -> None:
         """Start the actors and wait until each has loaded its model, so a
@@ -459,30 +244,22 @@ class RayRun:
                     ", ".join(sorted({w["host"] for w in where})))
 
     def _work(self, refs: list, log: Any, summary: Any, bar: Any) -> Iterator[WorkItem]:
-        """The documents still to do, lazily (one content hash at a time);
-        the same skip rule as the local runner."""
-        from pipeline.inputs.ingest import content_hash
-        from pipeline.run.runner import task_keys
+        """The documents still to do, lazily (one content hash at a time),
+        by the same work plan as the local runner."""
+        from pipeline.run.plan import WorkPlan
 
-        tasks = self.job.spec.tasks
+        plan = WorkPlan(self.job, retry_failed=self.retry_failed)
         for ref in refs:
-            try:
-                digest = content_hash(ref)
-            except OSError:
-                digest = None  # the worker records the read error, like the local runner
-            keys: dict[str, str] = {}
-            todo = list(tasks)
-            if digest is not None:
-                keys = task_keys(self.job, digest)
-                todo = [t for t in tasks if not log.is_done(keys[t.name], include_failed=not self.retry_failed)]
-                summary.failed += sum(1 for t in tasks if t not in todo and keys[t.name] in log.failed_keys)
-            if not todo:
+            work = plan.document(ref, log)
+            summary.failed += work.failed_before
+            if not work.tasks:
                 summary.skipped += 1
                 if bar is not None:
                     bar.update(1)
                 continue
-            names = tuple(t.name for t in todo)
-            yield WorkItem(ref.doc_id, DocumentTask(ref, digest, names, tuple(keys[n] for n in names if n in keys)))
+            names = tuple(t.name for t in work.tasks)
+            keys = tuple(work.keys[n] for n in names if n in work.keys)
+            yield WorkItem(ref.doc_id, DocumentTask(ref, work.digest, names, keys))
 
 
 class _Writer:
@@ -519,19 +296,12 @@ class _Writer:
 
     def failure(self, item: WorkItem, error: dict) -> None:
         """Error records for every pending task of a document the workers could not finish."""
-        from pipeline.schema.record import make_record
-        from pipeline.run.runner import task_keys
+        from pipeline.output.render import error_records
+        from pipeline.run.plan import task_keys
 
         task: DocumentTask = item.payload
         digest = task.digest or "sha256:unreadable"
-        keys = task_keys(self.job, digest)
-        records = [
-            make_record(
-                job=self.job.spec.name, doc_id=item.doc_id, source=str(task.ref.source), content_hash=digest,
-                task=name, config_hash=keys[name].rsplit("/", 1)[1], status="error", error=error,
-            )
-            for name in task.tasks
-        ]
+        records = list(error_records(self.job, task.ref, digest, task.tasks, task_keys(self.job, digest), error))
         self.records(item, records)
 
     def _finished(self, item: WorkItem, failed: bool) -> None:
@@ -540,11 +310,6 @@ class _Writer:
         if self.bar is not None:
             self.bar.update(1)
             self.bar.set_postfix(failed=len(self.summary.failed_documents))
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
 
 
 def _error(exc: BaseException, stage: str) -> dict:
@@ -581,7 +346,7 @@ def _connect(address: str | None, cpus: float) -> bool:
         try:
             ray.init(address=address, **quiet)
         except (ConnectionError, RuntimeError, ValueError) as e:
-            raise TqpipeError(f"Ray: cannot connect to cluster {address!r}: {_first_line(e)}") from None
+            raise TqpipeError(f"Ray: cannot connect to cluster {address!r}: {first_line(e)}") from None
         have = ray.cluster_resources().get("CPU", 0)
         if have < cpus:
             ray.shutdown()

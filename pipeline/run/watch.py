@@ -37,7 +37,7 @@ from pathlib import Path
 
 from pipeline.output.results_log import ResultLog
 from pipeline.errors import CheckpointError, IngestError, LockHeldError, TqpipeError
-from pipeline.inputs.ingest import IMAGE_SUFFIXES, DocumentRef, content_hash, natural_key
+from pipeline.inputs.discover import IMAGE_SUFFIXES, DocumentRef, content_hash, natural_key
 from pipeline.output.lock import JobLock
 from pipeline.schema.record import utc_now
 

@@ -1,4 +1,4 @@
-"""Result records: one self-describing JSON object per (document, task).
+"""Result record fields and keys: what a record holds and how it is identified.
 
 A record must answer, on its own and years later, "what produced this
 output?": which file (path *and* content hash), which task, which model,
@@ -16,13 +16,13 @@ from __future__ import annotations
 import hashlib
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import orjson
 
 SCHEMA_VERSION = 1
 
-#: Fields ``make_record`` sets itself; ``**extra`` may not override them.
+#: Fields :func:`pipeline.output.render.make_record` sets itself; extras may not override them.
 RECORD_FIELDS = (
     "schema_version", "key", "created_at", "job", "doc_id", "source",
     "content_hash", "task", "config_hash", "status", "output", "parsed",
@@ -107,64 +107,3 @@ def error_info(exc: BaseException, *, stage: str | None = None) -> dict:
 def utc_now() -> str:
     """UTC timestamp in ISO 8601 with milliseconds, e.g. ``2026-01-31T12:00:00.123Z``."""
     return datetime.now(timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
-
-
-def make_record(
-    *,
-    job: str,
-    doc_id: str,
-    source: str,
-    content_hash: str,
-    task: str,
-    config_hash: str,
-    status: Literal["ok", "error"],
-    output: str | None = None,
-    parsed: Any = None,
-    parse_error: str | None = None,
-    tokens: dict | None = None,
-    timing: dict | None = None,
-    cache: dict | None = None,
-    model: str | None = None,
-    context: dict | None = None,
-    pages: dict | None = None,
-    error: dict | None = None,
-    **extra: Any,
-) -> dict:
-    """Build one result record (a plain dict, ready for ``ResultLog.append``).
-
-    Adds ``schema_version``, ``key`` and ``created_at``.  ``status="error"``
-    requires ``error`` (use :func:`error_info`), so a failed record always
-    says why.  A JSON task whose output does not parse is still ``ok`` with
-    ``parse_error`` set: the model ran, the text is kept.
-    """
-    if status not in ("ok", "error"):
-        raise ValueError(f"make_record: status must be 'ok' or 'error', got {status!r}")
-    if status == "error" and not error:
-        raise ValueError("make_record: an error record needs error={'type': ..., 'message': ...}")
-    clash = sorted(set(extra) & set(RECORD_FIELDS))
-    if clash:
-        raise ValueError(f"make_record: extra fields {clash} would overwrite standard fields")
-    record = {
-        "schema_version": SCHEMA_VERSION,
-        "key": record_key(content_hash, task, config_hash),
-        "status": status,
-        "job": job,
-        "doc_id": doc_id,
-        "source": str(source),
-        "content_hash": content_hash,
-        "task": task,
-        "config_hash": config_hash,
-        "model": model,
-        "output": output,
-        "parsed": parsed,
-        "parse_error": parse_error,
-        "tokens": tokens,
-        "timing": timing,
-        "cache": cache,
-        "context": context,
-        "pages": pages,
-        "error": error,
-        "created_at": utc_now(),
-    }
-    record.update(extra)
-    return record

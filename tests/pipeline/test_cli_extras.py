@@ -13,7 +13,7 @@ from fixtures_models import *  # noqa: F403
 
 from pipeline.cli import main
 from pipeline.errors import JobFileError
-from pipeline.schema.job import load_job
+from pipeline.inputs.job_file import load_job
 from pipeline.run.runner import RunSummary
 from pipeline.inputs.samples import make_text_pdf
 

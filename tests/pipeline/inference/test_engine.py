@@ -176,7 +176,8 @@ def _vlm_prompt(tiny_vlm_model):
     from PIL import Image
 
     from pipeline.inference.prompt import PromptBuilder
-    from pipeline.inputs.ingest import Document, DocumentRef, Page
+    from pipeline.inputs.discover import DocumentRef
+    from pipeline.inputs.document import Document, Page
     from pipeline.schema.job import ContextSpec
 
     pages = [

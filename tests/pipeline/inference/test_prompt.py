@@ -10,9 +10,10 @@ from PIL import Image
 
 from pipeline.inference.prompt import ImagesNeedVLMError, PromptBuilder, task_text
 from pipeline.errors import ContextOverflowError
-from pipeline.inputs.ingest import Document, DocumentRef, Page
+from pipeline.inputs.discover import DocumentRef
+from pipeline.inputs.document import Document, Page
 from pipeline.schema.job import ContextSpec, TaskSpec
-from pipeline.run.runner import _tokenizer_only
+from pipeline.run.dry_run import tokenizer_only
 
 TASKS = [
     TaskSpec(name="summary", prompt="Summarize the document.", max_tokens=16),
@@ -35,12 +36,12 @@ def make_doc(images: dict[int, Image.Image] | None = None, texts=TEXTS) -> Docum
 
 @pytest.fixture(scope="module")
 def text_builder(smollm2_dir) -> PromptBuilder:
-    return _tokenizer_only(None, images=False)  # tokenizer only, no weights
+    return tokenizer_only(None, images=False)  # tokenizer only, no weights
 
 
 @pytest.fixture(scope="module")
 def vlm_builder(tiny_vlm_dir) -> PromptBuilder:
-    return _tokenizer_only(None, images=True)
+    return tokenizer_only(None, images=True)
 
 
 def test_prefix_plus_suffix_is_the_chat_template_render(text_builder):

@@ -6,10 +6,12 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from pipeline.inputs import ingest as ingest_mod
+from pipeline.inputs import pdf as pdf_mod
 from pipeline.errors import IngestError
-from pipeline.inputs.ingest import DocumentRef, content_hash, discover, ingest, natural_key
-from pipeline.schema.job import ContextSpec, load_job
+from pipeline.inputs.discover import DocumentRef, content_hash, discover, natural_key
+from pipeline.inputs.ingest import ingest
+from pipeline.inputs.job_file import load_job
+from pipeline.schema.job import ContextSpec, Job, JobSpec, TaskSpec, with_pages
 from pipeline.inputs.samples import (
     IMAGESET_PAGES,
     SAMPLE_FACTS,
@@ -142,7 +144,7 @@ def test_text_pdf(samples):
 def test_images_always_at_dpi(samples):
     doc = ingest(pdf_ref(samples / "invoice.pdf"), ContextSpec(images="always", dpi=36))
     assert all(p.image is not None and p.image.size == (298, 421) and p.image.mode == "RGB" for p in doc.pages)
-    doc144 = ingest(pdf_ref(samples / "invoice.pdf"), ContextSpec(images="always", dpi=144), pages="1")
+    doc144 = ingest(pdf_ref(samples / "invoice.pdf"), ContextSpec(images="always", dpi=144, pages="1"))
     assert doc144.pages[0].image.size == (1190, 1684)
     assert "EUR 1,932.40" in doc.pages[1].text  # text is still extracted
 
@@ -191,7 +193,9 @@ def test_page_selection(samples):
     doc = ingest(ref, ContextSpec(pages="2,-1"))
     assert [p.number for p in doc.pages] == [2, 4] and doc.page_count == 4
     assert doc.pages[1].text.startswith("Outlook")
-    override = ingest(ref, ContextSpec(pages="2,-1"), pages="1-2")  # CLI --pages wins
+    job = Job(spec=JobSpec(name="t", inputs=[str(ref.source)], tasks=[TaskSpec(name="a", prompt="p")],
+                           output="o.jsonl", context=ContextSpec(pages="2,-1")), path=samples / "j.yaml", base_dir=samples)
+    override = ingest(ref, with_pages(job, "1-2").spec.context)  # CLI --pages wins
     assert [p.number for p in override.pages] == [1, 2]
     with pytest.raises(IngestError) as e:
         ingest(ref, ContextSpec(pages="1-20"))
@@ -227,8 +231,8 @@ def test_vanished_file_is_an_ingest_error(tmp_path):
 def test_broken_page_is_skipped_with_a_note(tmp_path, monkeypatch):
     path = make_broken_page_pdf(tmp_path / "b.pdf", pages=5, broken=(3,))
     calls = []
-    real = ingest_mod._read_pdf_page
-    monkeypatch.setattr(ingest_mod, "_read_pdf_page", lambda pdf, n, c: calls.append(n) or real(pdf, n, c))
+    real = pdf_mod._read_pdf_page
+    monkeypatch.setattr(pdf_mod, "_read_pdf_page", lambda pdf, n, c: calls.append(n) or real(pdf, n, c))
     doc = ingest(pdf_ref(path), ContextSpec(page_retries=2))  # 1 of 5 failed = 0.2 <= 0.25
     assert [p.number for p in doc.pages] == [1, 2, 4, 5]
     assert doc.pages[2].text.startswith("Page 4: intact")
@@ -248,11 +252,11 @@ def test_too_many_failed_pages_fail_the_document(tmp_path):
     assert [p.number for p in doc.pages] == [1, 3, 5]
     # the fraction counts SELECTED pages: page 2 alone is 100% failed
     with pytest.raises(IngestError, match="1 of 1 selected pages"):
-        ingest(pdf_ref(path), ContextSpec(max_failed_page_fraction=1.0), pages="2")
+        ingest(pdf_ref(path), ContextSpec(max_failed_page_fraction=1.0, pages="2"))
 
 
 def test_transient_page_failure_recovers_on_retry(samples, monkeypatch):
-    real = ingest_mod._read_pdf_page
+    real = pdf_mod._read_pdf_page
     failures = {2: 1}  # page 2 fails once, then reads fine
 
     def flaky(pdf, n, context):
@@ -261,7 +265,7 @@ def test_transient_page_failure_recovers_on_retry(samples, monkeypatch):
             raise MemoryError("simulated")
         return real(pdf, n, context)
 
-    monkeypatch.setattr(ingest_mod, "_read_pdf_page", flaky)
+    monkeypatch.setattr(pdf_mod, "_read_pdf_page", flaky)
     doc = ingest(pdf_ref(samples / "report.pdf"), ContextSpec(page_retries=1))
     assert [p.number for p in doc.pages] == [1, 2, 3, 4] and doc.skipped_pages == []
     failures[2] = 1

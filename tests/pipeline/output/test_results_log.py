@@ -18,7 +18,8 @@ import pytest
 import pipeline.output.results_log as checkpoint
 from pipeline.output.results_log import ResultLog, latest_records, summarize
 from pipeline.errors import CheckpointError
-from pipeline.schema.record import error_info, make_record
+from pipeline.output.render import make_record
+from pipeline.schema.record import error_info
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -171,7 +172,7 @@ CHILD = textwrap.dedent(
     """
     import random, sys, time
     from pipeline.output.results_log import ResultLog
-    from pipeline.schema.record import make_record
+    from pipeline.output.render import make_record
     path, n, seed = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     rng = random.Random(seed)
     with ResultLog(path) as log:

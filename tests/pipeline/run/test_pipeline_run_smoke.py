@@ -13,7 +13,7 @@ from fixtures_models import *  # noqa: F403
 
 from benchmarks import pipeline_run
 from pipeline.cli import main
-from pipeline.schema.job import load_job
+from pipeline.inputs.job_file import load_job
 from pipeline.inputs.samples import make_long_pdf
 
 

@@ -27,7 +27,7 @@ import pytest
 ray = pytest.importorskip("ray")
 
 from fixtures_models import smollm2_dir, tqpipe_models_home  # noqa: E402,F401
-from pipeline.schema.job import load_job  # noqa: E402
+from pipeline.inputs.job_file import load_job  # noqa: E402
 from pipeline.run.ray_engine import (  # noqa: E402
     Dispatcher,
     DocumentTask,
@@ -36,7 +36,7 @@ from pipeline.run.ray_engine import (  # noqa: E402
     WorkItem,
     _process_document,
 )
-from pipeline.schema.record import make_record  # noqa: E402
+from pipeline.output.render import make_record  # noqa: E402
 from pipeline.inputs.samples import make_text_pdf  # noqa: E402
 
 TESTS_DIR = Path(__file__).resolve().parents[2]
@@ -89,8 +89,8 @@ def read_records(path: Path) -> list[dict]:
 
 def assert_exactly_once(records: list[dict], job) -> None:
     """Every (document, task) of the job has exactly one record."""
-    from pipeline.inputs.ingest import content_hash, discover
-    from pipeline.run.runner import task_keys
+    from pipeline.inputs.discover import content_hash, discover
+    from pipeline.run.plan import task_keys
 
     expected = Counter(k for ref in discover(job) for k in task_keys(job, content_hash(ref)).values())
     assert Counter(r["key"] for r in records) == expected
@@ -104,7 +104,7 @@ def fake_setup(job):
     return {"pid": os.getpid()}
 
 
-def fake_process(state, job, payload, pages):
+def fake_process(state, job, payload):
     """Echo the payload; the hooks in it let a test kill or fail the worker."""
     name, hooks = payload
     if hooks.get("die"):
@@ -151,7 +151,7 @@ def failing_setup(job):
     raise ModelLoadError("/models/missing: no such model directory")
 
 
-def fake_records(state, job, task: DocumentTask, pages, *, die_on: str | None = None, delay: float = 0.0):
+def fake_records(state, job, task: DocumentTask, *, die_on: str | None = None, delay: float = 0.0):
     """A fake engine that returns valid records (no model): one per pending task."""
     if task.ref.doc_id == die_on:
         os.kill(os.getpid(), signal.SIGKILL)
@@ -164,12 +164,12 @@ def fake_records(state, job, task: DocumentTask, pages, *, die_on: str | None = 
     ]
 
 
-def stalling_process(state, job, task: DocumentTask, pages, *, victim: str, marker: str):
+def stalling_process(state, job, task: DocumentTask, *, victim: str, marker: str):
     """The real engine, except that the first worker to get ``victim`` hangs
     until the test kills its process."""
     if task.ref.doc_id == victim:
         stall_once(marker)
-    return _process_document(state, job, task, pages)
+    return _process_document(state, job, task)
 
 
 def fake_actor_factory(num_cpus: float = 0.5):
@@ -333,7 +333,7 @@ def test_back_pressure_on_many_documents(cluster, tmp_path, n):
 DRIVER = """
 import functools, sys
 import test_ray_engine as t
-from pipeline.schema.job import load_job
+from pipeline.inputs.job_file import load_job
 from pipeline.run.ray_engine import run_job_on_ray
 run_job_on_ray(load_job(sys.argv[2]), address=sys.argv[1], progress=False, num_cpus_per_worker=0.5,
                setup=t.fake_setup, process=functools.partial(t.fake_records, delay=0.1))
@@ -375,10 +375,10 @@ def test_importing_the_ray_engine_does_not_import_ray():
 def test_pages_override_is_part_of_the_keys(cluster, tmp_path):
     """``--pages`` changes the record keys as in the local runner, so output
     for pages 1-1 never counts as done for a run over whole documents."""
-    from pipeline.run.runner import with_pages
+    from pipeline.schema.job import with_pages
 
     job = load_job(write_job(tmp_path, 2, tasks=TWO_TASKS, pdf=False))
-    first = RayRun(job, pages="1", progress=False, num_cpus_per_worker=0.5, setup=fake_setup,
+    first = RayRun(with_pages(job, "1"), progress=False, num_cpus_per_worker=0.5, setup=fake_setup,
                    process=fake_records).run()
     assert first.records_written == 4
     assert_exactly_once(read_records(job.output_path), with_pages(job, "1"))

@@ -10,10 +10,14 @@ from fixtures_models import *  # noqa: F403
 
 from pipeline.output.results_log import iter_records
 from pipeline.errors import LockHeldError
-from pipeline.schema.job import load_job
+from pipeline.inputs.job_file import load_job
 from pipeline.output.lock import JobLock
-from pipeline.run.runner import Engines, process_document, run_job, task_keys
-from pipeline.inputs.ingest import discover
+from pipeline.inference.engines import Engines
+from pipeline.run.document import process_document
+from pipeline.run.plan import task_keys
+from pipeline.run.runner import run_job
+from pipeline.schema.job import with_pages
+from pipeline.inputs.discover import discover
 from pipeline.inputs.samples import make_corrupt_pdf, make_scanned_pdf, make_text_pdf
 
 PAGES_A = ["Harbor report, page one. Revenue grew by 12 percent.", "Page two. Author: Ada Lovelace.", "Page three. Total 1250 EUR."]
@@ -131,9 +135,9 @@ def test_truncation_is_stated_in_the_record(tmp_path, docs, tiny_vlm_dir):
 
 def test_pages_override_selects_pages_and_is_part_of_the_key(tmp_path, docs, tiny_vlm_dir):
     job = load_job(write_job(tmp_path, model=str(tiny_vlm_dir), inputs="docs/a.pdf"))
-    run_job(job, pages="2-3", progress=False)
+    run_job(with_pages(job, "2-3"), progress=False)
     assert {tuple(r["pages"]["included"]) for r in records(job)} == {(2, 3)}
-    assert run_job(job, pages="2-3", progress=False).records_written == 0
+    assert run_job(with_pages(job, "2-3"), progress=False).records_written == 0
     # the whole document is different work: it runs, it is not skipped
     assert run_job(job, progress=False).records_written == 2
     assert [r["pages"]["included"] for r in records(job)[-2:]] == [[1, 2, 3]] * 2
@@ -159,10 +163,8 @@ def test_process_document_yields_records_and_writes_nothing(tmp_path, docs, tiny
     assert [r["task"] for r in out] == ["summary", "fields"] and all(r["status"] == "ok" for r in out)
     assert not job.output_path.exists()
     orjson.dumps(out)  # records are plain JSON
-    # a pages override (as the Ray engine passes it) selects pages and keys the records by it
-    from pipeline.run.runner import with_pages
-
-    one = list(process_document(Engines(job), job, ref, tasks=job.spec.tasks[:1], pages="1"))
+    # a pages override (applied to the job, as the CLI does) selects pages and keys the records by it
+    one = list(process_document(Engines(job), with_pages(job, "1"), ref, tasks=job.spec.tasks[:1]))
     assert one[0]["pages"]["included"] == [1]
     assert one[0]["key"] == task_keys(with_pages(job, "1"), out[0]["content_hash"])["summary"] != out[0]["key"]
 
@@ -224,35 +226,6 @@ def test_text_model_on_scanned_pages_is_an_error_record(tmp_path, docs, smollm2_
     assert [r["status"] for r in out] == ["error", "error"]
     assert out[0]["error"]["stage"] == "context" and "text-only" in out[0]["error"]["message"]
     assert out[0]["error"]["type"] == "ImagesNeedVLMError" and out[0]["model"] == "text-only"
-
-
-def test_json_record_checks_cited_pages_and_fields():
-    from types import SimpleNamespace
-
-    from pipeline.inference.prompt import DocumentPrompt
-    from pipeline.inference.engine import TaskResult
-    from pipeline.schema.job import TaskSpec
-    from pipeline.run.runner import _ok_record
-
-    job = SimpleNamespace(spec=SimpleNamespace(name="j", context=SimpleNamespace(max_tokens=100, overflow="error", images="auto")))
-    ref = SimpleNamespace(doc_id="d.pdf", source=Path("/d.pdf"))
-    prompt = DocumentPrompt(prefix_ids=[1, 2, 3], task_ids={"f": [4]}, page_offsets={1: 0, 2: 2},
-                            included_pages=[1, 2], skipped_pages=[])
-    task = TaskSpec(name="f", prompt="p", format="json", fields=["total", "author"])
-    text = 'Here you go:\n```json\n{"total": {"value": 1250, "page": 2}, "note": "see [Page 40]"}\n```'
-    result = TaskResult(task="f", text=text, token_ids=[5], finish_reason="stop",
-                        tokens={"document": 3, "task_prompt": 1, "generated": 1}, timing={}, cache={})
-    rec = _ok_record(job, ref, "sha256:ab", task, "sha256:ab/f/0123", result, prompt, None, "m")
-    assert rec["parsed"]["total"]["value"] == 1250 and rec["parse_error"] is None
-    assert rec["missing_fields"] == ["author"]
-    assert rec["citations"] == {"cited": [2, 40], "unknown": [40], "valid": False}
-    bad = _ok_record(job, ref, "sha256:ab", task, "sha256:ab/f/0123",
-                     TaskResult(**{**result.__dict__, "text": '{"total": 12'}), prompt, None, "m")
-    assert bad["status"] == "ok" and bad["parsed"] is None and "invalid JSON" in bad["parse_error"]
-    assert "max_tokens" not in bad["parse_error"]
-    cut = _ok_record(job, ref, "sha256:ab", task, "sha256:ab/f/0123",
-                     TaskResult(**{**result.__dict__, "text": '{"total": 12', "finish_reason": "length"}), prompt, None, "m")
-    assert cut["parse_error"].endswith("(the answer hit max_tokens=256 and may be cut off)")
 
 
 def test_context_is_capped_at_the_models_own_limit(tmp_path, docs, tiny_vlm_dir, monkeypatch):

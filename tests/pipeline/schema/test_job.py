@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from pipeline.errors import JobFileError
-from pipeline.schema.job import CacheSpec, ContextSpec, JobSpec, load_job
+from pipeline.inputs.job_file import load_job
+from pipeline.schema.job import CacheSpec, ContextSpec, JobSpec
 from pipeline.inputs.samples import make_image_set, make_text_pdf, write_samples
 
 REPO = Path(__file__).resolve().parents[3]
@@ -210,7 +211,7 @@ def test_shipped_example_jobs_validate(tmp_path):
 def test_validation_imports_no_model_code(jobdir):
     """Validating a job must stay instant: no mlx (or pymupdf) import."""
     code = (
-        "import sys; from pipeline.schema.job import load_job; load_job(sys.argv[1]); "
+        "import sys; from pipeline.inputs.job_file import load_job; load_job(sys.argv[1]); "
         "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('mlx', 'mlx_lm', 'mlx_vlm', 'pymupdf', 'fitz')); "
         "assert not bad, bad"
     )
