@@ -59,7 +59,8 @@ def test_ray_flags_reach_run_job_on_ray(tmp_path, ray_calls):
     assert r.exit_code == 0, r.output
     assert len(ray_calls) == 1
     call = ray_calls[0]
-    assert (call["address"], call["workers"], call["pages"], call["progress"]) == ("ray://head:10001", 7, "1", False)
+    assert (call["address"], call["workers"], call["progress"]) == ("ray://head:10001", 7, False)
+    assert call["job"].spec.context.pages == "1"  # --pages reaches Ray inside the job (hence in the keys)
     assert call["job"].spec.engine.address == "auto"  # the job file is untouched; the flags override it
 
     ray_calls.clear()  # no flags: None, so RayRun falls back to the job's engine block

@@ -39,7 +39,9 @@ from pipeline.run.ray_engine import (  # noqa: E402
 from pipeline.output.render import make_record  # noqa: E402
 from pipeline.inputs.samples import make_text_pdf  # noqa: E402
 
-TESTS_DIR = Path(__file__).resolve().parents[2]
+# Workers unpickle this module's fakes by name and import the shared model fixtures:
+# they need this folder and tests/ on their path.
+WORKER_PATH = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[2])]
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +49,7 @@ def cluster(smollm2_dir):
     """A local head with 2 CPUs; workers inherit PYTHONPATH and TQPIPE_HOME."""
     assert not ray.is_initialized(), "another test left Ray running; this module needs its own cluster"
     old = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = os.pathsep.join([str(TESTS_DIR)] + ([old] if old else []))
+    os.environ["PYTHONPATH"] = os.pathsep.join(WORKER_PATH + ([old] if old else []))
     ray.init(num_cpus=2, include_dashboard=False, object_store_memory=100 * 2**20, log_to_driver=False)
     yield ray.get_runtime_context().gcs_address
     ray.shutdown()
