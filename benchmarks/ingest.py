@@ -21,8 +21,8 @@ from pathlib import Path
 
 from pipeline.inputs.discover import DocumentRef, content_hash
 from pipeline.inputs.ingest import ingest
-from pipeline.schema.job import ContextSpec
 from pipeline.inputs.samples import make_long_pdf
+from pipeline.schema.job import ContextSpec
 
 
 def _time(fn, repeat: int) -> tuple[float, float, object]:

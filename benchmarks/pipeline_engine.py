@@ -27,13 +27,13 @@ import pipeline  # noqa: F401  (OpenBLAS before mlx.core)
 
 import mlx.core as mx
 
-from pipeline.inference.prompt import PromptBuilder
 from pipeline.inference.engine import Engine
+from pipeline.inference.prompt import PromptBuilder
 from pipeline.inputs.discover import DocumentRef
 from pipeline.inputs.ingest import ingest
-from pipeline.schema.job import CacheSpec, ContextSpec, TaskSpec
-from pipeline.models.load import load_model
 from pipeline.inputs.samples import long_pdf_code_word, make_long_pdf
+from pipeline.models.load import load_model
+from pipeline.schema.job import CacheSpec, ContextSpec, TaskSpec
 
 
 def _prefill_peak(loaded, prompt, spec) -> tuple[float, float]:

@@ -83,7 +83,8 @@ def timed_run(job_path: Path, workers: int | None) -> dict:
     job = load_job(job_path)
     t0 = time.perf_counter()
     if workers is None:
-        from pipeline.run.runner import Engines, run_job
+        from pipeline.inference.engines import Engines
+        from pipeline.run.runner import run_job
 
         engines = Engines(job)
         engines.get(needs_images=False)  # load first, as a Ray worker does before its first document

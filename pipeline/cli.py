@@ -156,8 +156,8 @@ def watch(inbox: str, job_file: str, settle: float, poll: float, pages: str | No
     A file that is no document (``notes.txt``) is reported by name once and
     recorded as failed in the ledger, not silently ignored.
     """
-    from pipeline.inputs.discover import expand_input
     from pipeline.inference.engines import Engines
+    from pipeline.inputs.discover import expand_input
     from pipeline.run.progress import configure_logging
     from pipeline.run.runner import run_job
     from pipeline.run.watch import InboxWatcher

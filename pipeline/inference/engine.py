@@ -44,8 +44,8 @@ from typing import Any, Callable, Iterator, Sequence
 
 import mlx.core as mx
 
-from pipeline.inference.prompt import DocumentPrompt, concat_image_inputs
 from pipeline.errors import TqpipeError
+from pipeline.inference.prompt import DocumentPrompt, concat_image_inputs
 
 
 @dataclass

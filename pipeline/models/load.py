@@ -34,8 +34,8 @@ from typing import Any, Literal
 import mlx.core as mx
 
 from pipeline.models.builtin_vlm import ensure_tiny_vlm
-from pipeline.models.store import models_home
 from pipeline.models.smollm2 import ensure_smollm2
+from pipeline.models.store import models_home
 
 __all__ = [
     "BUILTIN_TEXT",

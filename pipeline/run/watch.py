@@ -35,10 +35,10 @@ from collections.abc import Callable, Iterable
 from contextlib import nullcontext
 from pathlib import Path
 
-from pipeline.output.results_log import ResultLog
 from pipeline.errors import CheckpointError, IngestError, LockHeldError, TqpipeError
 from pipeline.inputs.discover import IMAGE_SUFFIXES, DocumentRef, content_hash, natural_key
 from pipeline.output.lock import JobLock
+from pipeline.output.results_log import ResultLog
 from pipeline.schema.record import utc_now
 
 logger = logging.getLogger(__name__)

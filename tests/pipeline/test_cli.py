@@ -14,8 +14,8 @@ from click.testing import CliRunner
 from fixtures_models import *  # noqa: F403
 
 from pipeline.cli import main
-from pipeline.output.lock import JobLock
 from pipeline.inputs.samples import make_corrupt_pdf, make_text_pdf
+from pipeline.output.lock import JobLock
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -14,8 +14,8 @@ from fixtures_models import *  # noqa: F403
 from pipeline.cli import main
 from pipeline.errors import JobFileError
 from pipeline.inputs.job_file import load_job
-from pipeline.run.runner import RunSummary
 from pipeline.inputs.samples import make_text_pdf
+from pipeline.run.runner import RunSummary
 
 
 def write_job(tmp_path: Path, model: Path, *, inputs: str = "docs/", extra: str = "") -> Path:

@@ -9,8 +9,8 @@ import mlx.nn as nn
 import pytest
 from mlx_lm.models import llama
 
-from pipeline.inference.prompt import DocumentPrompt
 from pipeline.inference.engine import Engine
+from pipeline.inference.prompt import DocumentPrompt
 from pipeline.schema.job import CacheSpec, TaskSpec
 
 VOCAB = 96

@@ -8,12 +8,12 @@ import pytest
 from fixtures_models import *  # noqa: F403  (session model fixtures)
 from PIL import Image
 
-from pipeline.inference.prompt import ImagesNeedVLMError, PromptBuilder, task_text
 from pipeline.errors import ContextOverflowError
+from pipeline.inference.prompt import ImagesNeedVLMError, PromptBuilder, task_text
 from pipeline.inputs.discover import DocumentRef
 from pipeline.inputs.document import Document, Page
-from pipeline.schema.job import ContextSpec, TaskSpec
 from pipeline.run.dry_run import tokenizer_only
+from pipeline.schema.job import ContextSpec, TaskSpec
 
 TASKS = [
     TaskSpec(name="summary", prompt="Summarize the document.", max_tokens=16),

@@ -6,8 +6,8 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from pipeline.inputs import pdf as pdf_mod
 from pipeline.errors import IngestError
+from pipeline.inputs import pdf as pdf_mod
 from pipeline.inputs.discover import DocumentRef, content_hash, discover, natural_key
 from pipeline.inputs.ingest import ingest
 from pipeline.inputs.job_file import load_job

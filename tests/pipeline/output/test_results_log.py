@@ -16,9 +16,9 @@ import orjson
 import pytest
 
 import pipeline.output.results_log as checkpoint
-from pipeline.output.results_log import ResultLog, latest_records, summarize
 from pipeline.errors import CheckpointError
 from pipeline.output.render import make_record
+from pipeline.output.results_log import ResultLog, latest_records, summarize
 from pipeline.schema.record import error_info
 
 REPO = Path(__file__).resolve().parents[3]
@@ -171,8 +171,8 @@ def test_summarize_counts_against_expected_keys(tmp_path):
 CHILD = textwrap.dedent(
     """
     import random, sys, time
-    from pipeline.output.results_log import ResultLog
     from pipeline.output.render import make_record
+    from pipeline.output.results_log import ResultLog
     path, n, seed = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     rng = random.Random(seed)
     with ResultLog(path) as log:

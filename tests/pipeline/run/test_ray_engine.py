@@ -36,8 +36,8 @@ from pipeline.run.ray_engine import (  # noqa: E402
     WorkItem,
     _process_document,
 )
-from pipeline.output.render import make_record  # noqa: E402
 from pipeline.inputs.samples import make_text_pdf  # noqa: E402
+from pipeline.output.render import make_record  # noqa: E402
 
 # Workers unpickle this module's fakes by name and import the shared model fixtures:
 # they need this folder and tests/ on their path.

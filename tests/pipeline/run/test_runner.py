@@ -8,17 +8,17 @@ import orjson
 import pytest
 from fixtures_models import *  # noqa: F403
 
-from pipeline.output.results_log import iter_records
 from pipeline.errors import LockHeldError
-from pipeline.inputs.job_file import load_job
-from pipeline.output.lock import JobLock
 from pipeline.inference.engines import Engines
+from pipeline.inputs.discover import discover
+from pipeline.inputs.job_file import load_job
+from pipeline.inputs.samples import make_corrupt_pdf, make_scanned_pdf, make_text_pdf
+from pipeline.output.lock import JobLock
+from pipeline.output.results_log import iter_records
 from pipeline.run.document import process_document
 from pipeline.run.plan import task_keys
 from pipeline.run.runner import run_job
 from pipeline.schema.job import with_pages
-from pipeline.inputs.discover import discover
-from pipeline.inputs.samples import make_corrupt_pdf, make_scanned_pdf, make_text_pdf
 
 PAGES_A = ["Harbor report, page one. Revenue grew by 12 percent.", "Page two. Author: Ada Lovelace.", "Page three. Total 1250 EUR."]
 PAGES_B = ["Minutes of the board meeting held on 2024-03-01.", "Decision: approve the dredging budget."]

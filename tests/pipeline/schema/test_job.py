@@ -9,8 +9,8 @@ import pytest
 
 from pipeline.errors import JobFileError
 from pipeline.inputs.job_file import load_job
-from pipeline.schema.job import CacheSpec, ContextSpec, JobSpec
 from pipeline.inputs.samples import make_image_set, make_text_pdf, write_samples
+from pipeline.schema.job import CacheSpec, ContextSpec, JobSpec
 
 REPO = Path(__file__).resolve().parents[3]
 
