@@ -25,6 +25,8 @@ IMAGE_SUFFIXES = frozenset({".png", ".jpg", ".jpeg", ".tif", ".tiff", ".bmp", ".
 
 @dataclass(frozen=True)
 class DocumentRef:
+    """A document found by discovery: enough to hash and read it, nothing read yet."""
+
     source: Path  # the PDF, the image folder, or (glob image sets) the absolute pattern
     kind: Literal["pdf", "images"]
     doc_id: str  # stable and readable: source relative to the job's folder

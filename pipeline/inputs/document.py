@@ -24,6 +24,8 @@ if TYPE_CHECKING:
 
 @dataclass
 class Page:
+    """One selected page: its text layer and, where the job wants it, a rendered image."""
+
     number: int  # 1-based, in the original document
     text: str
     image: "PIL.Image.Image | None"
@@ -32,6 +34,8 @@ class Page:
 
 @dataclass
 class Document:
+    """A read document: the pages that could be read, the ones skipped, and notes for the record."""
+
     ref: DocumentRef
     content_hash: str
     page_count: int  # pages in the file, before selection

@@ -5,7 +5,7 @@ engine) instead of a home-made scheduler.  The shape is chosen for the three
 promises the local engine already makes:
 
 * **One prefill per document.**  Each ``DocumentWorker`` actor loads the model
-  once and processes WHOLE documents through the runner's own
+  once and processes WHOLE documents through the local runner's
   ``process_document``, so every task of a document reuses its one prefill,
   exactly as locally.
 * **Exactly-once results.**  Workers never write files: an actor returns the
@@ -46,7 +46,7 @@ class DocumentTask:
     instead of silently breaking exactly-once.
     """
 
-    ref: Any  # pipeline.inputs.ingest.DocumentRef
+    ref: Any  # pipeline.inputs.discover.DocumentRef
     digest: str | None  # content hash, None when the driver could not read the file
     tasks: tuple[str, ...]
     keys: tuple[str, ...] = ()
@@ -87,6 +87,7 @@ class DocumentWorker:
         return os.getpid()
 
     def process(self, task: Any) -> list[dict]:
+        """The records of one document, tagged with the worker that made them."""
         records = list(self._process(self.state, self.job, task))
         for record in records:
             record["worker"] = self.where
@@ -164,6 +165,7 @@ class RayRun:
         self.ready_s: float | None = None  # time until every actor had its model loaded
 
     def run(self) -> Any:
+        """Plan, dispatch to the actors, append what they return; a ``RunSummary``."""
         from pipeline.inputs.discover import discover
         from pipeline.output.lock import JobLock
         from pipeline.output.results_log import ResultLog

@@ -61,6 +61,8 @@ class ModelSpec(_Spec):
 
 
 class CacheSpec(_Spec):
+    """The KV cache: scheme and widths, parsed and checked here so the engine only reads them."""
+
     kv_quant_scheme: Literal["turboquant", "fp16", "affine"] = "turboquant"
     kv_bits: float = 3.5
     key_bits: int | None = None
@@ -128,6 +130,8 @@ class ContextSpec(_Spec):
 
 
 class EngineSpec(_Spec):
+    """Where documents run: locally, or on Ray with these workers and retry bounds."""
+
     kind: Literal["local", "ray"] = "local"
     address: str | None = None
     workers: int = Field(2, ge=1)
@@ -142,6 +146,8 @@ class ImageSetInput(_Spec):
 
 
 class JobSpec(_Spec):
+    """A whole job file as validated; the root of every key ``load_job`` reports."""
+
     name: str = Field(min_length=1)
     inputs: list[str | ImageSetInput] = Field(min_length=1)
     model: ModelSpec = ModelSpec()
@@ -164,12 +170,15 @@ class JobSpec(_Spec):
 
 @dataclass(frozen=True)
 class Job:
+    """A validated job and where it lives (relative paths in it resolve against ``base_dir``)."""
+
     spec: JobSpec
     path: Path  # the job file, absolute
     base_dir: Path  # its folder: relative paths in the job resolve here
 
     @property
     def output_path(self) -> Path:
+        """The results file, absolute."""
         return self.resolve(self.spec.output)
 
     def resolve(self, p: str | Path) -> Path:
