@@ -45,6 +45,7 @@ from typing import Any, Callable, Iterator, Sequence
 import mlx.core as mx
 
 from pipeline.errors import TqpipeError
+from pipeline.inference.constrained import json_processor
 from pipeline.inference.prompt import DocumentPrompt, concat_image_inputs
 
 
@@ -59,6 +60,7 @@ class TaskResult:
     tokens: dict
     timing: dict
     cache: dict
+    constrained: bool = False  # decoded through a JSON constraint
 
 
 @dataclass
@@ -245,8 +247,14 @@ class Engine:
         return int(mx.random.categorical(logits * (1.0 / temperature), key=key).item())
 
     def run_task(self, state: _Prefilled, task: Any, task_ids: Sequence[int], *, on_token: Callable[[int], None] | None = None) -> TaskResult:
-        """Append the task tokens to the prefilled document, decode, rewind."""
+        """Append the task tokens to the prefilled document, decode, rewind.
+
+        ``format: json`` tasks decode through a per-row logits processor
+        (:func:`~pipeline.inference.constrained.json_processor`) called with
+        the tokens so far before each sample, so the answer is valid JSON.
+        """
         t0 = time.perf_counter()
+        processor = json_processor(task, self.loaded.tokenizer)
         ids = mx.array(list(task_ids), dtype=mx.int32)[None]
         try:
             logits = self._forward(ids, None, self._positions(state, ids.shape[1]), logits=True)
@@ -259,6 +267,8 @@ class Engine:
                 sub = None
                 if key is not None:
                     key, sub = mx.random.split(key)
+                if processor is not None:
+                    logits = processor(out, logits)
                 tok = self._sample(logits, task.temperature, sub)
                 if tok in self.eos_ids:
                     finish = "stop"
@@ -283,6 +293,7 @@ class Engine:
             tokens={"document": state.length, "task_prompt": len(task_ids), "generated": len(out)},
             timing={"prefill_s": round(state.prefill_s, 4), "task_prefill_s": round(t1 - t0, 4), "decode_s": round(t2 - t1, 4)},
             cache=self.cache_record(state.nbytes, nbytes_end),
+            constrained=processor is not None,
         )
 
     def cache_record(self, nbytes_prefill: int, nbytes_end: int | None = None) -> dict:

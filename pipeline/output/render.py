@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any, Iterable, Iterator, Literal
 
-from pipeline.inference.extract import check_citations, cited_pages, missing_fields, pages_in_text, parse_json_output
+from pipeline.inference.extract import check_citations, cited_pages, missing_fields, pages_in_text, parse_or_repair
 from pipeline.inference.memory import memory_record
 from pipeline.inference.prompt import DocumentPrompt, model_context_limit
 from pipeline.inputs.discover import DocumentRef
@@ -81,10 +81,11 @@ def ok_record(
     parsed = parse_error = None
     extra: dict = {"finish_reason": result.finish_reason, "memory": memory_record()}
     if task.format == "json":
-        p = parse_json_output(result.text)
+        p = parse_or_repair(result.text)
         parsed, parse_error = p.value, p.error
         if parse_error and result.finish_reason == "length":
             parse_error += f" (the answer hit max_tokens={task.max_tokens} and may be cut off)"
+        extra["json"] = json_field(p, getattr(result, "constrained", False))
         if p.ok:
             extra["missing_fields"] = missing_fields(p.value, task.fields)
             extra["citations"] = check_citations(cited_pages(p.value), prompt.included_pages)
@@ -106,6 +107,14 @@ def ok_record(
         pages=prompt.pages_record(),
         **extra,
     )
+
+
+def json_field(parsed: Any, constrained: bool) -> dict:
+    """The ``json`` field of a JSON task's record: how the answer was decoded
+    (``constrained`` or ``free``) and how it parsed (``valid``, ``repaired``
+    by json-repair, or ``invalid``)."""
+    status = "invalid" if not parsed.ok else "repaired" if parsed.repaired else "valid"
+    return {"decoding": "constrained" if constrained else "free", "status": status}
 
 
 def make_record(

@@ -37,7 +37,7 @@ def task_keys(job: Job, digest: str, tasks: Sequence[TaskSpec] | None = None) ->
     spec = job.spec
     out = {}
     for task in tasks if tasks is not None else spec.tasks:
-        chash = task_config_hash(task, model=model_setting(job), cache=spec.cache, context=spec.context)
+        chash = task_config_hash(task.hash_fields(), model=model_setting(job), cache=spec.cache, context=spec.context)
         out[task.name] = record_key(digest, task.name, chash)
     return out
 

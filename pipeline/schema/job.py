@@ -28,8 +28,14 @@ from turboquant.widths import ALLOWED_COMPONENT_BITS, ALLOWED_KV_BITS  # the qua
 AFFINE_KV_BITS = (4, 8)
 
 
+#: JSON types a ``fields: {name: type}`` entry may name.
+FieldType = Literal["string", "number", "integer", "boolean", "array", "object"]
+#: How ``format: json`` answers are decoded; part of their config hash.
+JSON_DECODING = "json-constrained"
+
+
 class _Spec(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
 
 class TaskSpec(_Spec):
@@ -40,14 +46,32 @@ class TaskSpec(_Spec):
     max_tokens: int = Field(256, gt=0)
     temperature: float = Field(0.0, ge=0)
     format: Literal["text", "json"] = "text"
-    fields: list[str] | None = None  # json: the keys the answer should have
+    # json: the keys the answer must have, as a list (string values) or {name: JSON type}
+    fields: list[str] | dict[str, FieldType] | None = None
+    # json: a JSON Schema the answer must satisfy (wins over fields for decoding)
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
 
-    @field_validator("fields")
+    @field_validator("fields", "schema_")
     @classmethod
-    def _fields_need_json(cls, v: list[str] | None, info: ValidationInfo) -> list[str] | None:
+    def _fields_need_json(cls, v: Any, info: ValidationInfo) -> Any:
         if v is not None and info.data.get("format") != "json":
             raise ValueError("only meaningful with format: json")
         return v
+
+    def hash_fields(self) -> dict[str, Any]:
+        """What of this task enters its config hash.
+
+        A ``format: json`` answer is decoded under a JSON constraint, so its
+        hash carries the decoding mode (answers decoded freely by an older
+        version are redone); ``schema`` enters only when set, so text tasks
+        keep the keys they always had.
+        """
+        out = self.model_dump(exclude={"schema_"})
+        if self.schema_ is not None:
+            out["schema"] = self.schema_
+        if self.format == "json":
+            out["decoding"] = JSON_DECODING
+        return out
 
 
 class ModelSpec(_Spec):
