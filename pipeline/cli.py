@@ -21,8 +21,10 @@ names the file and the problem; ``-v`` adds debug logging and tracebacks.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -35,6 +37,7 @@ from pipeline.errors import JobFileError, LockHeldError, PageRangeError, TqpipeE
 
 if TYPE_CHECKING:
     from pipeline.schema.job import Job
+    from pipeline.schema.overrides import Overrides
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_LOCKED = 0, 1, 2, 3
 EXIT_CODES_HELP = (
@@ -52,16 +55,24 @@ def _fail(message: str, code: int) -> None:
     sys.exit(code)
 
 
-def _load(job_path: str, pages: str | None = None, *, check_inputs: bool = True) -> Job:
-    """Load and check the job, with a ``--pages`` override applied (exit 2
-    with one clear line on any problem).  The one place ``--pages`` enters a
-    run: every command below only sees the returned job."""
+def _load(job_path: str, pages: str | None = None, overrides: Overrides | None = None, *,
+          check_inputs: bool = True) -> Job:
+    """Load and check the job, with ``--pages`` and the other command-line
+    overrides applied (exit 2 with one clear line on any problem).  The one
+    place overrides enter a run: every command below only sees the returned job."""
     from pipeline.inputs.job_file import load_job
+    from pipeline.inputs.oneoff import EXPECTED, JOB_SUFFIXES
     from pipeline.schema.job import with_pages
+    from pipeline.schema.overrides import OverrideError, apply_overrides
 
     try:
         job = with_pages(load_job(job_path, check_inputs=check_inputs), pages)
+        if overrides is not None:
+            job = apply_overrides(job, overrides)
     except JobFileError as e:
+        hint = "" if Path(job_path).suffix.lower() in JOB_SUFFIXES else f" (tqpipe run expects {EXPECTED})"
+        _fail(f"{e}{hint}", EXIT_USAGE)
+    except OverrideError as e:
         _fail(str(e), EXIT_USAGE)
     except PageRangeError as e:
         _fail(f"--pages: {e}", EXIT_USAGE)
@@ -84,26 +95,102 @@ def _verbose_option(f):
     return click.option("-v", "--verbose", is_flag=True, help="Debug logging and tracebacks.")(f)
 
 
+def _override_options(f):
+    """The flags mlx-vlm / mlx-lm / olmocr users already type; each overrides the job file."""
+    opts = [
+        click.option("--model", default=None, help="Model folder or hub id (overrides model.path)."),
+        click.option("--kv-bits", type=float, default=None, help="KV cache bits, e.g. 3.5 (overrides cache.kv_bits)."),
+        click.option("--kv-quant-scheme", type=click.Choice(["turboquant", "fp16", "affine"]), default=None,
+                     help="KV cache scheme (overrides cache.kv_quant_scheme)."),
+        click.option("--kv-key-bits", type=int, default=None, help="TurboQuant key bits (overrides cache.key_bits)."),
+        click.option("--kv-value-bits", type=int, default=None, help="TurboQuant value bits (overrides cache.value_bits)."),
+        click.option("--max-tokens", type=click.IntRange(min=1), default=None, help="Answer budget of every task."),
+        click.option("--prompt", default=None, help="Ask this one question instead of the job's tasks (one-off mode: required)."),
+        click.option("--format", "fmt", type=click.Choice(["text", "json"]), default=None, help="Answer format of --prompt."),
+        click.option("--fields", default=None, help="JSON keys of the --prompt answer, comma-separated (implies --format json)."),
+        click.option("-o", "--output", default=None, help="Results file (overrides output; one-off mode: instead of stdout)."),
+    ]
+    for opt in reversed(opts):
+        f = opt(f)
+    return f
+
+
 @main.command(epilog=EXIT_CODES_HELP)
-@click.argument("job_file", metavar="JOB", type=click.Path(dir_okay=False))
+@click.argument("targets", metavar="JOB | FILE...", nargs=-1, required=True)
 @click.option("--pages", help="Page ranges for every document, e.g. '1-20,35,-5' (overrides the job's context.pages).")
-@click.option("--dry-run", is_flag=True, help="Ingest and tokenize only: per document pages, tokens, images, whether it fits. Loads no model, writes nothing.")
+@_override_options
+@click.option("--dry-run", is_flag=True, help="Ingest and tokenize only: per document pages, tokens, images, whether it fits, KV bytes. Loads no model, writes nothing.")
 @click.option("--retry-failed", is_flag=True, help="Run again (document, task) pairs recorded as failed.")
 @click.option("--engine", type=click.Choice(["local", "ray"]), default=None, help="Override the job's engine.kind.")
 @click.option("--address", default=None, help="Ray: cluster address ('auto', 'ray://host:10001'); overrides engine.address.")
 @click.option("--workers", type=click.IntRange(min=1), default=None, help="Ray: worker actors; overrides engine.workers.")
 @click.option("--no-progress", is_flag=True, help="No progress bars or progress log lines.")
 @_verbose_option
-def run(job_file: str, pages: str | None, dry_run: bool, retry_failed: bool, engine: str | None,
-        address: str | None, workers: int | None, no_progress: bool, verbose: bool) -> None:
+def run(targets: tuple[str, ...], pages: str | None, dry_run: bool, retry_failed: bool, engine: str | None,
+        address: str | None, workers: int | None, no_progress: bool, verbose: bool, **flags) -> None:
     """Process every document of JOB not yet in its results file.
+
+    One-off mode, no job file: ``tqpipe run FILE.pdf [FILE2 ...] --prompt
+    "..."`` asks one question of each file; records go to stdout as JSONL
+    (or to --output), progress and the summary to stderr.
 
     Progress: tqdm bars on a terminal, plain log lines otherwise (cron).
     """
     from pipeline.run.progress import configure_logging
+    from pipeline.schema.overrides import OverrideError, Overrides, parse_fields
 
     configure_logging(verbose)
-    job = _load(job_file, pages)
+    try:
+        ov = Overrides(fields=parse_fields(flags.pop("fields")), format=flags.pop("fmt"), **flags)
+    except OverrideError as e:
+        _fail(str(e), EXIT_USAGE)
+    oneoff = _is_oneoff(targets)
+    with _oneoff_output(oneoff and ov.output is None) as scratch:
+        job = _load_oneoff(list(targets), ov, scratch, pages) if oneoff else _load(targets[0], pages, ov)
+        _run_loaded(job, targets[0], dry_run=dry_run, retry_failed=retry_failed, engine=engine, address=address,
+                    workers=workers, no_progress=no_progress, verbose=verbose,
+                    summary_err=oneoff, stdout_records=scratch is not None)
+
+
+def _is_oneoff(targets: tuple[str, ...]) -> bool:
+    """Documents on the command line (one-off mode), or exactly one job file."""
+    from pipeline.inputs.oneoff import EXPECTED, is_document_arg
+
+    docs = [is_document_arg(t) for t in targets]
+    if all(docs):
+        return True
+    if len(targets) > 1:
+        bad = next(t for t, d in zip(targets, docs) if not d)
+        _fail(f"{bad}: give one job file, or only documents; tqpipe run expects {EXPECTED}", EXIT_USAGE)
+    return False
+
+
+@contextlib.contextmanager
+def _oneoff_output(needed: bool):
+    """A scratch results file for one-off records bound for stdout (removed afterwards)."""
+    if not needed:
+        yield None
+        return
+    with tempfile.TemporaryDirectory(prefix="tqpipe-oneoff-") as d:
+        yield Path(d) / "oneoff.jsonl"
+
+
+def _load_oneoff(files: list[str], ov, scratch: Path | None, pages: str | None) -> Job:
+    from pipeline.inputs.oneoff import oneoff_job
+    from pipeline.schema.job import with_pages
+    from pipeline.schema.overrides import OverrideError
+
+    try:
+        return with_pages(oneoff_job(files, ov, scratch or Path(ov.output)), pages)
+    except OverrideError as e:
+        _fail(str(e), EXIT_USAGE)
+    except PageRangeError as e:
+        _fail(f"--pages: {e}", EXIT_USAGE)
+
+
+def _run_loaded(job: Job, job_file: str, *, dry_run: bool, retry_failed: bool, engine: str | None,
+                address: str | None, workers: int | None, no_progress: bool, verbose: bool,
+                summary_err: bool, stdout_records: bool) -> None:
     kind = engine or job.spec.engine.kind
     if kind != "ray" and (address is not None or workers is not None):
         # Silently ignoring them would run a cluster-sized job on one machine.
@@ -120,17 +207,21 @@ def run(job_file: str, pages: str | None, dry_run: bool, retry_failed: bool, eng
             from pipeline.run.runner import run_job
 
             summary = run_job(job, retry_failed=retry_failed, dry_run=dry_run,
-                              progress=not no_progress, echo=click.echo)
+                              progress=not no_progress, echo=lambda m: click.echo(m, err=summary_err))
     except LockHeldError as e:
         _fail(str(e), EXIT_LOCKED)
     except TqpipeError as e:
         if verbose:
             logger.exception("run failed")
         _fail(str(e), EXIT_FAILED)
+    if stdout_records and job.output_path.exists():
+        sys.stdout.buffer.write(job.output_path.read_bytes())
+        sys.stdout.flush()
     if not dry_run:
+        where = "stdout" if stdout_records else job.output_path
         click.echo(
             f"{job.spec.name}: {summary.documents} documents; {summary.done} done, {summary.failed} failed, "
-            f"{summary.skipped} already done; {summary.records_written} records -> {job.output_path}"
+            f"{summary.skipped} already done; {summary.records_written} records -> {where}", err=summary_err,
         )
     if summary.failed_documents:
         click.echo("failed: " + ", ".join(summary.failed_documents), err=True)
