@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Callable, Sequence
 
 from pipeline.errors import ContextOverflowError, IngestError, TqpipeError
+from pipeline.inference.kv_size import KVGeometry, cache_nbytes_formula
 from pipeline.inference.prompt import PromptBuilder, effective_context
 from pipeline.inputs.discover import DocumentRef
 from pipeline.inputs.ingest import ingest
@@ -73,6 +74,12 @@ def dry_run_document(tokenizers: Tokenizers, job: Job, ref: DocumentRef) -> dict
         return {**row, "error": str(e)}
     trunc = prompt.truncation
     row.update(tokens=prompt.n_tokens + trunc.get("tokens_dropped", 0), fits=not trunc["truncated"])
+    geom = KVGeometry.from_config(getattr(builder, "model_config", None))
+    if geom is not None:  # what the cache will hold for the prompt actually prefilled
+        row["kv"] = {"scheme": job.spec.cache.kv_quant_scheme,
+                     "nbytes": cache_nbytes_formula(geom, job.spec.cache, prompt.n_tokens, exact_bytes=_exact_bytes(),
+                                                       after_prefill=True),
+                     "fp16_nbytes": geom.fp16_nbytes(prompt.n_tokens)}
     if trunc["truncated"]:
         row["truncate"] = {k: trunc[k] for k in ("tokens_dropped", "pages_dropped", "partial_page")}
     return row
@@ -102,4 +109,16 @@ def dry_line(row: dict) -> str:
     if "truncate" in row:
         t = row["truncate"]
         line += f" (truncate would drop {t['tokens_dropped']} tokens, pages {t['pages_dropped']})"
+    if "kv" in row:
+        kv = row["kv"]
+        line += (f" kv={kv['nbytes'] / 2**20:.1f}MiB ({kv['scheme']}) vs fp16 {kv['fp16_nbytes'] / 2**20:.1f}MiB"
+                 f" ({kv['nbytes'] / max(kv['fp16_nbytes'], 1):.2f}x)")
     return line
+
+
+def _exact_bytes() -> int:
+    """Bytes per exact-window element: float32 on the CPU path (the model runs in
+    float32 there, see :func:`pipeline.models.load.prepare_for_device`), else fp16."""
+    import mlx.core as mx
+
+    return 4 if mx.default_device() == mx.cpu else 2

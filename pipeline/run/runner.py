@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 from pipeline.inference.engines import Engines
+from pipeline.inference.kv_size import describe
 from pipeline.inference.prompt import DocumentPrompt
 from pipeline.inputs.discover import DocumentRef, discover
 from pipeline.output.lock import JobLock
@@ -131,12 +132,11 @@ def _run_document(engines: Engines, job: Job, work: DocumentWork, log: ResultLog
     if ok:  # one plain line per document, terminal or cron
         t, mem = ok[0]["timing"], ok[-1]["memory"]
         logger.info(
-            "%s: %d tokens prefilled in %.1f s, %d tasks, %d tokens generated in %.1f s, KV cache %.1f MiB (%s), "
+            "%s: %d tokens prefilled in %.1f s, %d tasks, %d tokens generated in %.1f s, KV cache %s, "
             "peak memory %.0f MiB MLX / %.0f MiB max RSS",
             ref.doc_id, ok[0]["tokens"]["document"], t["prefill_s"], len(ok),
             sum(r["tokens"]["generated"] for r in ok), sum(r["timing"]["decode_s"] for r in ok),
-            ok[0]["cache"]["nbytes_after_prefill"] / 2**20, ok[0]["cache"]["scheme"],
-            mem["mx_peak_bytes"] / 2**20, mem["max_rss_bytes"] / 2**20,
+            describe(ok[0]["cache"]), mem["mx_peak_bytes"] / 2**20, mem["max_rss_bytes"] / 2**20,
         )
 
 
