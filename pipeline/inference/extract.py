@@ -32,18 +32,17 @@ class ParsedOutput:
     """Result of parsing one model answer: exactly one of value/error is meaningful.
 
     ``repaired``: the text was not valid JSON and ``value`` is what json-repair
-    made of it (closed a cut-off string, dropped a trailing comma...); then
-    ``error`` still says what was wrong with the text as written.
+    made of it (closed a cut-off string, dropped a trailing comma...);
+    ``repaired`` then holds what was wrong with the text as written.
     """
 
     value: Any = None
     error: str | None = None
-    repaired: bool = False
+    repaired: str | None = None
 
     @property
     def ok(self) -> bool:
-        """A value is there: valid as written, or repaired."""
-        return self.error is None or self.repaired
+        return self.error is None
 
 
 def _candidates(text: str) -> list[str]:
@@ -92,7 +91,7 @@ def parse_or_repair(text: str) -> ParsedOutput:
     except Exception:  # json-repair raises assorted errors on hopeless input
         return parsed
     if isinstance(value, (dict, list)) and value:
-        return ParsedOutput(value=value, error=parsed.error, repaired=True)
+        return ParsedOutput(value=value, repaired=parsed.error)
     return parsed
 
 

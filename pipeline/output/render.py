@@ -112,9 +112,12 @@ def ok_record(
 def json_field(parsed: Any, constrained: bool) -> dict:
     """The ``json`` field of a JSON task's record: how the answer was decoded
     (``constrained`` or ``free``) and how it parsed (``valid``, ``repaired``
-    by json-repair, or ``invalid``)."""
+    by json-repair, or ``invalid``: then ``parse_error`` says why)."""
     status = "invalid" if not parsed.ok else "repaired" if parsed.repaired else "valid"
-    return {"decoding": "constrained" if constrained else "free", "status": status}
+    out = {"decoding": "constrained" if constrained else "free", "status": status}
+    if parsed.repaired:
+        out["repaired"] = parsed.repaired  # what was wrong with the text as written
+    return out
 
 
 def make_record(

@@ -105,14 +105,15 @@ def dry_line(row: dict) -> str:
     head = f"{row['doc_id']}: pages={row['pages']}/{row['page_count']} images={row['images']}"
     if "tokens" not in row:
         return f"{head} fits=no ({row['error']})" if row.get("fits") is False else f"{head} ERROR {row['error']}"
-    line = f"{head} tokens={row['tokens']} fits={'yes' if row['fits'] else 'no'}"
+    line = f"{head} tokens={row['tokens']}"
+    if "kv" in row:
+        kv = row["kv"]
+        line += (f" kv={kv['nbytes'] / 2**20:.1f}MiB ({kv['scheme']}; fp16 {kv['fp16_nbytes'] / 2**20:.1f}MiB,"
+                 f" {kv['nbytes'] / max(kv['fp16_nbytes'], 1):.2f}x)")
+    line += f" fits={'yes' if row['fits'] else 'no'}"
     if "truncate" in row:
         t = row["truncate"]
         line += f" (truncate would drop {t['tokens_dropped']} tokens, pages {t['pages_dropped']})"
-    if "kv" in row:
-        kv = row["kv"]
-        line += (f" kv={kv['nbytes'] / 2**20:.1f}MiB ({kv['scheme']}) vs fp16 {kv['fp16_nbytes'] / 2**20:.1f}MiB"
-                 f" ({kv['nbytes'] / max(kv['fp16_nbytes'], 1):.2f}x)")
     return line
 
 

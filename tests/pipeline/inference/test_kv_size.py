@@ -64,3 +64,6 @@ def test_records_carry_fp16_bytes_and_the_formula_matches_them(tmp_path, tiny_vl
     if scheme == "turboquant":
         assert cache["exact_tokens"] == exact_after_prefill(n, spec.window, spec.prefill_chunk)
         assert "still exact" in describe(cache) and "fp16" in describe(cache)
+        dry = CliRunner().invoke(main, ["run", str(tmp_path / "job.yaml"), "--dry-run"])
+        mib = lambda b: f"{b / 2**20:.1f}MiB"  # noqa: E731
+        assert f"kv={mib(predicted)} (turboquant; fp16 {mib(cache['fp16_nbytes'])}," in dry.output, dry.output
