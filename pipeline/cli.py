@@ -1,7 +1,8 @@
 """The ``tqpipe`` command line.
 
-Commands: ``run JOB``, ``watch DIR --job JOB``, ``status JOB``,
-``validate JOB``, ``samples [DIR]``.
+Commands: ``run JOB`` (or ``run FILE... --prompt``), ``watch DIR --job JOB``,
+``status JOB``, ``validate JOB``, ``export JOB``, ``report JOB``,
+``schema record|job``, ``samples [DIR]``.
 
 Exit codes (the same for every command, so cron and scripts can branch):
 
@@ -337,6 +338,63 @@ def validate(job_file: str) -> None:
     click.echo(f"  context:   max {spec.context.max_tokens} tokens, overflow {spec.context.overflow}, images {spec.context.images}"
                + (f", pages {spec.context.pages}" if spec.context.pages else ""))
     click.echo(f"  output:    {job.output_path}")
+    sys.exit(EXIT_OK)
+
+
+@main.command(epilog=EXIT_CODES_HELP)
+@click.argument("job_file", metavar="JOB", type=click.Path(dir_okay=False))
+@click.option("--format", "fmt", type=click.Choice(["markdown", "csv", "parquet"]), required=True,
+              help="markdown: one section per document; csv/parquet: one row per document x task.")
+@click.option("-o", "--output", default=None, help="File to write (default: the results file with .md/.csv/.parquet).")
+def export(job_file: str, fmt: str, output: str | None) -> None:
+    """Write JOB's results as Markdown, CSV or Parquet (parquet needs pyarrow: tqpipe[parquet])."""
+    from pipeline.output.export import SUFFIX, ExportError
+    from pipeline.output.export import export as write_export
+
+    job = _load(job_file, check_inputs=False)
+    out = Path(output) if output else job.output_path.with_suffix(SUFFIX[fmt])
+    try:
+        n = write_export(job.output_path, fmt, out, job_name=job.spec.name)
+    except ExportError as e:
+        _fail(str(e), EXIT_USAGE)
+    click.echo(f"{n} records -> {out}")
+    sys.exit(EXIT_OK)
+
+
+@main.command(epilog=EXIT_CODES_HELP)
+@click.argument("job_file", metavar="JOB", type=click.Path(dir_okay=False))
+@click.option("-o", "--output", default=None, help="HTML file to write (default: the results file with .html).")
+def report(job_file: str, output: str | None) -> None:
+    """Write one self-contained HTML page for JOB's results: counts, a KV-bytes plot, every document."""
+    from pipeline.output.export import ExportError
+    from pipeline.output.report import write_report
+
+    job = _load(job_file, check_inputs=False)
+    out = Path(output) if output else job.output_path.with_suffix(".html")
+    try:
+        n = write_report(job.output_path, out, job_name=job.spec.name)
+    except ExportError as e:
+        _fail(str(e), EXIT_USAGE)
+    click.echo(f"{n} records -> {out}")
+    sys.exit(EXIT_OK)
+
+
+@main.command(epilog=EXIT_CODES_HELP)
+@click.argument("what", type=click.Choice(["record", "job"]))
+@click.option("--markdown", is_flag=True, help="job: the reference page (docs/job-file.md) instead of JSON Schema.")
+def schema(what: str, markdown: bool) -> None:
+    """Print the JSON Schema of a result record or of a job file."""
+    import json
+
+    from pipeline.schema.record_model import record_json_schema
+    from pipeline.schema.reference import job_json_schema, job_reference_markdown
+
+    if markdown:
+        if what != "job":
+            _fail("--markdown is only for 'schema job'", EXIT_USAGE)
+        click.echo(job_reference_markdown(), nl=False)
+    else:
+        click.echo(json.dumps(record_json_schema() if what == "record" else job_json_schema(), indent=2))
     sys.exit(EXIT_OK)
 
 

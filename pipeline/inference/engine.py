@@ -37,6 +37,7 @@ chunk and continued after the document with its ``rope_deltas`` offset.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import time
 from dataclasses import dataclass, field
@@ -321,6 +322,8 @@ class Engine:
         geom = KVGeometry.from_config(getattr(self.loaded, "config", None))
         if tokens is not None:
             rec.update(figures(nbytes_prefill, tokens, geom))
+            if geom is not None:  # lets a reader (tqpipe report) draw the size formulas for this model
+                rec["geometry"] = dataclasses.asdict(geom)
             if exact is not None:
                 rec["exact_tokens"] = exact
         if tokens_end is not None and nbytes_end is not None and geom is not None:
