@@ -55,7 +55,7 @@ def task_json_schema(task: Any) -> dict:
     types = dict(fields) if isinstance(fields, dict) else {name: "string" for name in fields}
     props = {name: {"type": [t, "null"]} for name, t in types.items()}
     for p in props.values():
-        if p["type"][0] == "integer":  # digits bounded too; a "number" may still run long (repair covers it)
+        if p["type"][0] in ("integer", "number"):  # bounded digits (a "number" may still have long decimals)
             p.update(minimum=-_MAX_INT, maximum=_MAX_INT)
     _bound_strings(props, getattr(task, "max_tokens", 0))
     return {"type": "object", "properties": props, "required": list(types), "additionalProperties": False}

@@ -73,6 +73,23 @@ def parse_json_output(text: str) -> ParsedOutput:
     return ParsedOutput(error=first_error)
 
 
+_INT64 = 2**63
+
+
+def _storable(value: Any) -> Any:
+    """``value`` with integers beyond 64 bits as strings (digits kept exactly):
+    a record must always serialize, whatever number a model writes."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and not -_INT64 <= value < _INT64:
+        return str(value)
+    if isinstance(value, dict):
+        return {k: _storable(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_storable(v) for v in value]
+    return value
+
+
 def parse_or_repair(text: str) -> ParsedOutput:
     """:func:`parse_json_output`, and when that fails json-repair's reading of
     the text (an object or array only; the original parse error is kept if
@@ -80,7 +97,7 @@ def parse_or_repair(text: str) -> ParsedOutput:
     fallback for unconstrained answers and ones cut off by ``max_tokens``."""
     parsed = parse_json_output(text)
     if parsed.ok:
-        return parsed
+        return ParsedOutput(value=_storable(parsed.value))
     from json_repair import repair_json
 
     start = min((i for i in (text.find("{"), text.find("[")) if i >= 0), default=-1)
@@ -91,7 +108,7 @@ def parse_or_repair(text: str) -> ParsedOutput:
     except Exception:  # json-repair raises assorted errors on hopeless input
         return parsed
     if isinstance(value, (dict, list)) and value:
-        return ParsedOutput(value=value, repaired=parsed.error)
+        return ParsedOutput(value=_storable(value), repaired=parsed.error)
     return parsed
 
 
