@@ -49,7 +49,7 @@ import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import _BaseCache
 
-from .attention.launchers import quantize_any
+from .attention import launchers
 from .codec import TurboQuantCodec
 from .packing import packed_words
 from .rotation import HadamardRotation
@@ -253,8 +253,8 @@ class TurboQuantKVCache(_BaseCache):
         old_k = self.window_keys[:, :, :excess].astype(mx.float32) - self.key_mean
         old_v = self.window_values[:, :, :excess].astype(mx.float32) - self.value_mean
         # The fused quantize kernel on a GPU, the codec (reference) elsewhere.
-        k_packed, k_norms = quantize_any(old_k, self.key_codec)
-        v_packed, v_norms = quantize_any(old_v, self.value_codec)
+        k_packed, k_norms = launchers.quantize_any(old_k, self.key_codec)
+        v_packed, v_norms = launchers.quantize_any(old_v, self.value_codec)
         p = self.packed_len
         self._grow(p + excess)
         self.keys_packed[:, :, p : p + excess] = k_packed

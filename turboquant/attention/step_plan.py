@@ -43,20 +43,22 @@ class StepPlan:
     """The fixed part of a fused decode step's launch; :meth:`launch` adds
     what moves per step (packed length, window, means, counter set)."""
 
-    __slots__ = ("kernel", "tables", "signs", "vsigns", "dims", "max_w", "bh", "grid_yz", "tg",
+    __slots__ = ("kernel", "tables", "signs", "vsigns", "dims", "shape", "max_w", "bh", "grid_yz", "tg",
                  "out_shape", "out_dtype", "scale_bits", "means", "per_n", "keep", "counters", "slot", "last")
 
-    def __init__(self, queries, window_keys, window_values, cache, scale):
+    def __init__(self, queries, window_keys, window_values, cache, scale,
+                 blocks: int = table.TC8_BLOCKS, warps: Optional[int] = None):
         B, H_q, L, D = queries.shape
         H_kv = window_keys.shape[1]
         R = (H_q // H_kv) * L
         kc, vc = cache.key_codec, cache.value_codec
         self.dims = (D, R, B * H_kv, kc.bits, vc.bits)
-        cfg = table.tc8_config(D, R, B * H_kv, 1, kc.bits, vc.bits, window=True)
+        self.shape = (blocks, warps)  # the table's launch shape unless a test or benchmark asks
+        cfg = table.tc8_config(D, R, B * H_kv, 1, kc.bits, vc.bits, window=True, blocks=blocks, warps=warps)
         vrot = value_rotation(cache)
         self.tables = tc8_tables(centroids(kc), kc.bits, centroids(vc), vc.bits, cfg)
         self.signs, self.vsigns = cache.rotation.signs, vrot.signs
-        self.max_w, self.bh = table.fused_max_window(D, R, vc.bits), B * H_kv
+        self.max_w, self.bh = table.fused_max_window(D, R, vc.bits, cfg["NW"]), B * H_kv
         self.grid_yz, self.tg = (H_kv, B), (cfg["NW"] * 32, 1, 1)
         self.out_shape, self.out_dtype = (B, H_q, L, D), queries.dtype
         self.scale_bits = float_bits(scale)
@@ -94,7 +96,7 @@ class StepPlan:
         per = self.per_n.get(n)
         if per is None:
             D, R, BH, kb, vb = self.dims
-            cfg = table.tc8_config(D, R, BH, n, kb, vb, window=True)
+            cfg = table.tc8_config(D, R, BH, n, kb, vb, window=True, blocks=self.shape[0], warps=self.shape[1])
             if len(self.per_n) > 64:
                 self.per_n.clear()
             head = tc8_head(n, cache.keys_packed.shape[2], cfg, self.grid_yz[0], R, fused=True)
@@ -166,4 +168,15 @@ def fused_step(queries, window_keys, window_values, cache, scale) -> Optional[mx
     plan = plan_for(queries, window_keys, window_values, cache, scale)
     if plan is None or not plan.covers(cache.packed_len, window_keys.shape[2]):
         return None
+    return plan.launch(queries, window_keys, window_values, cache)
+
+
+def decode_step(queries, window_keys, window_values, cache, scale,
+                blocks: int = table.TC8_BLOCKS, warps: Optional[int] = None) -> mx.array:
+    """The fused step on a plan of its own (not cached), with another launch
+    shape than the table's if asked: for tests and benchmarks.  The caller
+    checks that ``choose`` routes the call to FUSED_STEP."""
+    plan = StepPlan(queries, window_keys, window_values, cache, scale, blocks, warps)
+    if not plan.covers(cache.packed_len, window_keys.shape[2]):
+        raise ValueError("decode_step: the fused step does not cover this window")
     return plan.launch(queries, window_keys, window_values, cache)

@@ -97,10 +97,10 @@ def tc8_value_copies(key_bits: int, value_bits: int) -> int:
     return 16 if value_bits == 4 and key_bits > 3 else 32
 
 
-def fused_max_window(d: int, rows: int, value_bits: int) -> int:
+def fused_max_window(d: int, rows: int, value_bits: int, warps: Optional[int] = None) -> int:
     """Longest exact window the fused step takes: the window's scores share
     the kernel's reduction area, ``R * (D + W) + 24 <= NW * 8 * (D + 2)`` words."""
-    return max(0, (tc8_warps(value_bits) * 8 * (d + 2) - 24) // rows - d)
+    return max(0, ((warps or tc8_warps(value_bits)) * 8 * (d + 2) - 24) // rows - d)
 
 
 def tc8_config(d: int, rows: int, b_hkv: int, n: int, key_bits: int = 3, value_bits: int = 4,
