@@ -22,9 +22,8 @@ its bits on.  It is exact for attention: the packed scores get ``q·mean_k``
 back (one dot per query row) and the packed value sum gets ``mass·mean_v``.
 Each channel's mean is shrunk toward 0 by positive-part James-Stein
 (``shrunk_mean``): on zero-mean data the estimate from the first tokens is
-pure noise, and centring on it biased the attention average (the lsq
-reconstruction shrinks values toward the stored mean; 1.12x the peer's error
-at 2 bits on Gaussian K/V before the shrink, docs/benchmarks.md).
+pure noise, and centring on it would bias the attention average (the lsq
+reconstruction shrinks values toward the stored mean).
 
 Quantizer: ``"scalar"`` (Lloyd-Max per coordinate, the GPU kernels' layout)
 or ``"tcq"`` (``trellis.TrellisCodec``: same words and bytes, indices chosen
@@ -115,10 +114,10 @@ class TurboQuantKVCache(_BaseCache):
             policy = parse_kv_policy(kv_bits, key_bits=key_bits, value_bits=value_bits, quantizer=quantizer,
                                      window=window, seed=seed, where="TurboQuantKVCache")
         self._use_policy(policy, layer)
-        # Decode appends one token per step; quantizing it at once costs a
-        # kernel launch per step (45-71% of a 32k decode step on the H200).
-        # Letting up to `flush_batch` tokens beyond the window wait and
-        # quantizing them together amortizes that to ~1.1% (docs/benchmarks.md, GPU).
+        # Decode appends one token per step; quantizing each at once would
+        # cost a launch pair per step, comparable to the attention itself.
+        # Up to `flush_batch` tokens beyond the window wait and are
+        # quantized together, which amortizes it.
         self._flush_batch = None if flush_batch is None else max(1, int(flush_batch))
         self.offset = 0
         self.packed_len = 0

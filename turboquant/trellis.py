@@ -43,7 +43,7 @@ Why this trellis: a feed-forward shift register makes the state a pure
 function of the stored bits, so the decoder never runs the trellis; the
 zero start state costs no rate (no tail bits); the union codebook with four
 subsets is Ungerboeck's set partitioning, which is what gives TCQ its gain.
-Measured at d=128 (unit vectors, lsq scale, ``python -m turboquant.bench``):
+Measured at d=128 (unit vectors, lsq scale, ``python -m benchmarks.codec``):
 MSE 0.72x / 0.68x / 0.67x the scalar Lloyd-Max codec at b = 2 / 3 / 4.
 
 A decoder therefore XORs shifted copies of the packed words (the parities)

@@ -1,6 +1,6 @@
 """Launch shapes: every tuned number of the kernels, in one table.
 
-Tuned on an H200 (132 SMs; docs/benchmarks.md has the measurements).  The
+Tuned on an H200 (132 SMs); docs/benchmarks.md has the figures.  The
 functions turn a table row and a call's sizes into the launch of one
 kernel; they choose nothing (``route.choose`` picked the kernel) and read
 no settings.  ``blocks`` / ``warps`` arguments exist for tests and
