@@ -44,15 +44,6 @@ def on_gpu() -> bool:
 
 def use_kernels() -> bool:
     """Whether the GPU kernels may run at all (``TQ_KERNELS`` and the device)."""
-    m = mode()
-    if m == "reference":
-        return False
-    be = backend()
-    if m == "gpu":
-        if be is None:
-            raise RuntimeError(
-                "TQ_KERNELS=gpu, but this MLX build has neither Metal nor CUDA "
-                "(install mlx[cuda13] on NVIDIA, or unset TQ_KERNELS)"
-            )
-        return True
-    return be is not None and on_gpu()
+    from .route import kernels_allowed  # (route imports this module)
+
+    return kernels_allowed(backend(), mode(), on_gpu())
