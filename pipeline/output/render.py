@@ -133,6 +133,21 @@ def ok_record(
     )
 
 
+def same_content_record(original: dict, job: Job, ref: DocumentRef, key: str) -> dict:
+    """The record of ``ref`` whose bytes equal those of ``original``'s document:
+    ``original`` copied (answer, timings, status), under ``ref``'s name and
+    ``key``, with ``same_content_as`` naming the first document.  No second
+    prefill: the answer is the same by construction."""
+    record = {k: v for k, v in original.items() if k not in ("worker", "source_b64", "same_content_as")}
+    record.update(key=key, job=job.spec.name, doc_id=text_safe(ref.doc_id), source=path_text(ref.source),
+                  created_at=utc_now())
+    raw = path_b64(ref.source)
+    if raw is not None:
+        record["source_b64"] = raw
+    record["same_content_as"] = original["doc_id"]
+    return record
+
+
 def make_record(
     *,
     job: str,
