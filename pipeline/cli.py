@@ -241,12 +241,13 @@ def status(job_file: str, pages: str | None, as_json: bool) -> None:
     record yet.  Reads only; safe while a run is going.
     """
     from pipeline.inputs.discover import discover
-    from pipeline.output.results_log import summarize
+    from pipeline.output.results_log import read_index, summarize
     from pipeline.run.plan import WorkPlan
 
     job = _load(job_file, pages)
-    expected, unreadable = WorkPlan(job).expected_keys(discover(job))
-    counts = summarize(job.output_path, expected, strict=job.spec.strict)
+    index = read_index(job.output_path)
+    expected, unreadable = WorkPlan(job).expected_keys(discover(job), index[0])
+    counts = summarize(job.output_path, expected, strict=job.spec.strict, index=index)
     counts["unreadable_documents"] = unreadable
     if as_json:
         import orjson

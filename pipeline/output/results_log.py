@@ -35,7 +35,7 @@ from typing import Any
 import orjson
 
 from pipeline.errors import CheckpointError
-from pipeline.schema.paths import json_safe, shown
+from pipeline.schema.paths import json_safe, path_from_b64, shown
 from pipeline.schema.record import json_default
 
 logger = logging.getLogger(__name__)
@@ -133,10 +133,13 @@ class KeyIndex:
         self._status: dict[str, str] = {}  # key -> "ok" once any ok record exists, else "error"
         self._latest_ok_warnings: dict[str, tuple[str, ...]] = {}  # key -> warnings of its latest ok record
         self._errors: dict[str, tuple[int, bool]] = {}  # failed key -> (error records, last one transient)
+        self._sources: dict[str, tuple[str, str | None]] = {}  # key -> (source, source_b64) of its last record
 
     def note(self, record: dict) -> None:
         """Account for one record, in file order."""
         key, status = record["key"], record.get("status")
+        if isinstance(record.get("source"), str):
+            self._sources[key] = (record["source"], record.get("source_b64"))
         if status == "ok":
             self._status[key] = "ok"
             self._latest_ok_warnings[key] = tuple(record.get("warnings") or ())
@@ -158,6 +161,14 @@ class KeyIndex:
         """True for a failed key whose last error was transient and that has attempts left."""
         n, transient = self._errors.get(key, (0, False))
         return self._status.get(key) == "error" and transient and n < TRANSIENT_ATTEMPTS
+
+    def source(self, key: str) -> Path | None:
+        """The file ``key``'s last record was made from (its raw bytes when recorded), or None."""
+        found = self._sources.get(key)
+        if found is None:
+            return None
+        text, raw = found
+        return path_from_b64(raw) if raw else Path(text)
 
     def warnings(self, key: str) -> tuple[str, ...]:
         """The quality warnings of ``key``'s counting ok record (empty if none, or not ok)."""
@@ -359,7 +370,14 @@ def latest_records(path: Path) -> dict[str, dict]:
     return latest
 
 
-def summarize(path: Path, expected_keys: set[str], *, strict: bool = False) -> dict:
+def read_index(path: Path) -> tuple[KeyIndex, int]:
+    """The :class:`KeyIndex` of a results file and its number of records, read-only."""
+    index, records = index or read_index(path)
+    return index, records
+
+
+def summarize(path: Path, expected_keys: set[str], *, strict: bool = False,
+              index: tuple[KeyIndex, int] | None = None) -> dict:
     """Counts for ``tqpipe status``: of ``expected_keys`` (every document x
     task under the current config), how many are done, failed, pending;
     ``warned``: done keys whose record carries quality warnings (per code in
@@ -368,12 +386,9 @@ def summarize(path: Path, expected_keys: set[str], *, strict: bool = False) -> d
     edited task or a removed document).  ``failing`` is what the exit code
     counts: failed, plus warned under ``strict`` - the same rule as
     ``tqpipe run`` (:func:`~pipeline.schema.record.counts_as_failed`).
+    ``index`` is :func:`read_index` of ``path`` if the caller has it already.
     Read-only, safe during a run."""
-    index = KeyIndex()
-    records = 0
-    for record in iter_records(path):
-        records += 1
-        index.note(record)
+    index, records = index or read_index(path)
     expected = set(expected_keys)
     done_keys, failed_keys = index.done_keys, index.failed_keys
     done = len(expected & done_keys)

@@ -13,12 +13,14 @@ left (:data:`~pipeline.output.results_log.TRANSIENT_ATTEMPTS`).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Iterable, Sequence
 
 from pipeline.errors import IngestError
 from pipeline.inputs.discover import DocumentRef, content_hash, name_tag, unreadable_digest
-from pipeline.output.results_log import ResultLog
+from pipeline.output.results_log import KeyIndex, ResultLog
 from pipeline.schema.job import Job, TaskSpec
 from pipeline.schema.record import record_key, task_config_hash
 
@@ -77,11 +79,12 @@ class DocumentWork:
 class WorkPlan:
     """The keys and the skip rule of one job; ``retry_failed`` redoes error records.
 
-    One plan per run (or per ``status``): it remembers which name each
-    content hash was first seen under, in discovery order, so identical
-    bytes under two names give two sets of records - the first name's keys
-    ``<hash>/<task>/<config>`` (renaming a file still reruns nothing), the
-    second name's ``<hash>@<name tag>/<task>/<config>``.
+    Identical bytes under two names give two sets of records: the first
+    name's keys ``<hash>/<task>/<config>``, the second name's
+    ``<hash>@<name tag>/<task>/<config>``.  The first name is the one the
+    results file already holds that content under, if that file still
+    exists (so renaming a file reruns nothing), else the first in discovery
+    order; one plan per run (or per ``status``) remembers that order.
     """
 
     def __init__(self, job: Job, *, retry_failed: bool = False):
@@ -89,21 +92,37 @@ class WorkPlan:
         self.retry_failed = retry_failed
         self._first: dict[str, DocumentRef] = {}
 
-    def _keys(self, ref: DocumentRef) -> tuple[str | None, dict[str, str], DocumentRef | None, dict[str, str]]:
+    def _keys(self, ref: DocumentRef, index: KeyIndex | None
+              ) -> tuple[str | None, dict[str, str], DocumentRef | None, dict[str, str]]:
         try:
             digest = content_hash(ref)
         except IngestError:
             return None, task_keys(self.job, unreadable_digest(ref)), None, {}
-        first = self._first.setdefault(digest, ref)
         keys = task_keys(self.job, digest)
+        first = self._recorded_under(ref, keys, index) or self._first.setdefault(digest, ref)
         if first.source == ref.source and first.members == ref.members:
             return digest, keys, None, {}
         return digest, task_keys(self.job, f"{digest}@{name_tag(ref)}"), first, keys
 
+    def _recorded_under(self, ref: DocumentRef, keys: dict[str, str], index: KeyIndex | None) -> DocumentRef | None:
+        """The other document the results already hold this content under, if it
+        still exists (a renamed file's old name does not: then it is ours)."""
+        if index is None:
+            return None
+        for key in keys.values():
+            source = index.source(key)
+            if source is None:
+                continue
+            if os.fsencode(source) == os.fsencode(ref.source) or not source.exists():
+                return None
+            doc_id = Path(os.path.relpath(source, self.job.base_dir)).as_posix()
+            return DocumentRef(source=source, kind=ref.kind, doc_id=doc_id)
+        return None
+
     def document(self, ref: DocumentRef, log: ResultLog) -> DocumentWork:
         """What is left of ``ref`` given the results in ``log`` (hashes the file, reads no pages)."""
         tasks = list(self.job.spec.tasks)
-        digest, keys, same_as, original = self._keys(ref)
+        digest, keys, same_as, original = self._keys(ref, log.index)
         todo = [t for t in tasks if not log.is_done(keys[t.name], include_failed=not self.retry_failed)]
         todo_names = {t.name for t in todo}
         failed_before, warned_before = 0, []
@@ -116,12 +135,14 @@ class WorkPlan:
                 warned_before.append(found)
         return DocumentWork(ref, digest, todo, keys, failed_before, tuple(warned_before), same_as, original)
 
-    def expected_keys(self, refs: Iterable[DocumentRef]) -> tuple[set[str], int]:
-        """Every key the job produces for ``refs``, and how many files could not be read."""
+    def expected_keys(self, refs: Iterable[DocumentRef], index: KeyIndex | None = None) -> tuple[set[str], int]:
+        """Every key the job produces for ``refs`` (``index``: what the results
+        file holds, which decides second names as in a run), and how many
+        files could not be read."""
         expected: set[str] = set()
         unreadable = 0
         for ref in refs:
-            digest, keys, _, _ = self._keys(ref)
+            digest, keys, _, _ = self._keys(ref, index)
             unreadable += digest is None
             expected.update(keys.values())
         return expected, unreadable

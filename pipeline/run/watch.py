@@ -172,8 +172,8 @@ class InboxWatcher:
         rel = self._rel(path)
         entry = {"key": content_hash, "status": status, "path": rel, "content_hash": content_hash,
                  "sig": _sig_id(sig) if sig else None, "error": error, "at": utc_now()}
-        if (raw := path_b64(path)) is not None:
-            entry["path_b64"] = raw
+        if (raw := path_b64(path.relative_to(self.inbox) if path.is_relative_to(self.inbox) else path)) is not None:
+            entry["path_b64"] = raw  # the raw bytes of a name that is not UTF-8
         self._open_ledger().append(entry)
         self._remember(rel, content_hash, entry["sig"])
         self._forget(path)
