@@ -372,7 +372,11 @@ def latest_records(path: Path) -> dict[str, dict]:
 
 def read_index(path: Path) -> tuple[KeyIndex, int]:
     """The :class:`KeyIndex` of a results file and its number of records, read-only."""
-    index, records = index or read_index(path)
+    index = KeyIndex()
+    records = 0
+    for record in iter_records(path):
+        records += 1
+        index.note(record)
     return index, records
 
 
@@ -385,7 +389,7 @@ def summarize(path: Path, expected_keys: set[str], *, strict: bool = False,
     ``stale``: keys in the file the current job no longer produces (an
     edited task or a removed document).  ``failing`` is what the exit code
     counts: failed, plus warned under ``strict`` - the same rule as
-    ``tqpipe run`` (:func:`~pipeline.schema.record.counts_as_failed`).
+    ``tqpipe run`` (:attr:`pipeline.run.runner.RunSummary.exit_code`).
     ``index`` is :func:`read_index` of ``path`` if the caller has it already.
     Read-only, safe during a run."""
     index, records = index or read_index(path)

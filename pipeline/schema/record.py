@@ -54,12 +54,6 @@ def add_warning(warnings: list[str], code: str) -> list[str]:
     return warnings
 
 
-def counts_as_failed(record: dict, *, strict: bool) -> bool:
-    """Whether ``record`` counts as a failure for exit codes: an error, or,
-    under ``strict``, an ok record that carries warnings.  The one rule
-    shared by ``tqpipe run`` and ``tqpipe status``."""
-    return record.get("status") != "ok" or (strict and bool(record.get("warnings")))
-
 _CONFIG_HASH_CHARS = 16  # 64 bits: collisions between configs are not a concern
 
 
