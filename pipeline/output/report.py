@@ -48,17 +48,22 @@ def _mib(n: float | None) -> str:
 
 
 def warnings_of(rec: dict) -> list[str]:
-    """Everything a reader should notice about one record, as short phrases."""
-    out = list(rec.get("warnings") or [])
-    ctx = rec.get("context") or {}
-    if ctx.get("truncated"):
-        out.append(f"truncated: {ctx.get('tokens_dropped', '?')} tokens dropped")
+    """Everything a reader should notice about one record, as short phrases: the
+    record's warning codes (with their detail) first, then softer signs."""
+    ctx, pages = rec.get("context") or {}, rec.get("pages") or {}
+    detail = {
+        "truncated": f"truncated: {ctx.get('tokens_dropped', '?')} tokens dropped",
+        "pages_skipped": f"pages skipped: {pages.get('skipped')}",
+        "random_weights": "random_weights: the model's answers are noise",
+        "json_repaired": f"json_repaired: {(rec.get('json') or {}).get('repaired', '')}",
+    }
+    codes = list(rec.get("warnings") or [])
+    out = [detail.get(c, c) for c in codes]
+    if ctx.get("truncated") and "truncated" not in codes:
+        out.append(detail["truncated"])
+    if pages.get("skipped") and "pages_skipped" not in codes:
+        out.append(detail["pages_skipped"])
     out += [str(n) for n in ctx.get("notes") or []]
-    if (rec.get("pages") or {}).get("skipped"):
-        out.append(f"pages skipped: {rec['pages']['skipped']}")
-    status = (rec.get("json") or {}).get("status")
-    if status in ("repaired", "invalid"):
-        out.append(f"json {status}")
     if rec.get("missing_fields"):
         out.append("missing fields: " + ", ".join(rec["missing_fields"]))
     if rec.get("finish_reason") == "length":

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
-from pipeline.errors import ContextOverflowError, IngestError, TqpipeError
+from pipeline.errors import ContextOverflowError, IngestError, RunError, TqpipeError
 from pipeline.inference.kv_size import KVGeometry, cache_nbytes_formula
 from pipeline.inference.prompt import PromptBuilder, effective_context
 from pipeline.inputs.discover import DocumentRef
 from pipeline.inputs.ingest import ingest
 from pipeline.schema.job import Job
+from pipeline.schema.paths import shown
 
 
 class Tokenizers:
@@ -59,19 +60,23 @@ def tokenizer_only(path: str | None, images: bool) -> PromptBuilder:
 
 def dry_run_document(tokenizers: Tokenizers, job: Job, ref: DocumentRef) -> dict:
     """Ingest and tokenize one document; say whether it fits the context limit."""
-    row: dict = {"doc_id": ref.doc_id, "source": str(ref.source)}
+    row: dict = {"doc_id": shown(ref.doc_id), "source": shown(ref.source)}
     try:
         doc = ingest(ref, job.spec.context)
     except (IngestError, OSError) as e:
         return {**row, "error": str(e)}
     row.update(pages=len(doc.pages), page_count=doc.page_count, skipped_pages=len(doc.skipped_pages),
                images=sum(p.image is not None for p in doc.pages))
+    if doc.pages_clipped:
+        row["clipped"] = True
     try:
         builder = tokenizers.get(doc.needs_images)
         context = effective_context(job.spec.context, getattr(builder, "model_config", None))
         prompt = builder.build(doc, context, job.spec.tasks)
     except ContextOverflowError as e:
         return {**row, "fits": False, "error": str(e)}
+    except RunError:
+        raise  # the model (its tokenizer) cannot be loaded: one line for the run, exit 4
     except TqpipeError as e:
         return {**row, "error": str(e)}
     trunc = prompt.truncation
@@ -115,7 +120,9 @@ def dry_line(row: dict) -> str:
     line += f" fits={'yes' if row['fits'] else 'no'}"
     if "truncate" in row:
         t = row["truncate"]
-        line += f" (truncate would drop {t['tokens_dropped']} tokens, pages {t['pages_dropped']})"
+        line += f" (truncate would drop {t['tokens_dropped']} tokens, pages {page_ranges(t['pages_dropped'])})"
+    if row.get("clipped"):
+        line += " (pages clipped to the document)"
     return line
 
 
@@ -125,3 +132,18 @@ def _exact_bytes() -> int:
     import mlx.core as mx
 
     return 4 if mx.default_device() == mx.cpu else 2
+
+
+def page_ranges(pages: Sequence[int], *, limit: int = 8) -> str:
+    """``[20, 21, ..., 2000]`` as ``20-2000``: one short line even for a 2,000-page document;
+    past ``limit`` runs the rest is counted, not listed."""
+    runs: list[list[int]] = []
+    for p in pages:
+        if runs and p == runs[-1][1] + 1:
+            runs[-1][1] = p
+        else:
+            runs.append([p, p])
+    text = ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs[:limit])
+    if len(runs) > limit:
+        text += f",... ({sum(b - a + 1 for a, b in runs[limit:])} more)"
+    return text or "none"

@@ -178,14 +178,18 @@ class JobSpec(_Spec):
     """A whole job file as validated; the root of every key ``load_job`` reports."""
 
     name: str = Field(min_length=1, description="the job's name, in every record")
+    # May be empty for ``tqpipe watch`` (documents come from the inbox);
+    # ``load_job`` rejects an empty list for every other command.
     inputs: list[str | ImageSetInput] = Field(
-        min_length=1, description="files, folders, globs (relative to the job file), or {images: folder}")
+        default_factory=list, description="files, folders, globs (relative to the job file), or {images: folder}")
     model: ModelSpec = Field(ModelSpec(), description="which model")
     cache: CacheSpec = Field(CacheSpec(), description="the KV cache")
     context: ContextSpec = Field(ContextSpec(), description="how a document becomes a context")
     tasks: list[TaskSpec] = Field(min_length=1, description="questions asked of every document")
     output: str = Field(min_length=1, description="results file (.jsonl), relative to the job file")
     engine: EngineSpec = Field(EngineSpec(), description="where documents run")
+    # Not in the config hash: it changes no output.
+    strict: bool = Field(False, description="records with quality warnings count as failures for the exit code")
 
     @field_validator("tasks")
     @classmethod

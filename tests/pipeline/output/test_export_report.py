@@ -90,8 +90,9 @@ def test_report_page_holds_plot_documents_and_warnings(run_dir):
     assert "<script src" not in page and "http" not in page.split("<body", 1)[1]  # self-contained
     assert "fp16 (formula" in page and "turboquant 3.5 bits" in page
     assert "answer hit max_tokens" in warnings_of({"finish_reason": "length"})
-    assert warnings_of({"context": {"truncated": True, "tokens_dropped": 9}, "warnings": ["random_weights"]}) == [
-        "random_weights", "truncated: 9 tokens dropped"]
+    assert warnings_of({"context": {"truncated": True, "tokens_dropped": 9}, "warnings": ["random_weights", "truncated"]}
+                       ) == ["random_weights: the model's answers are noise", "truncated: 9 tokens dropped"]
+    assert warnings_of({"context": {"truncated": True, "tokens_dropped": 9}}) == ["truncated: 9 tokens dropped"]
 
 
 def _chromium() -> str | None:

@@ -77,6 +77,7 @@ def test_json_record_checks_cited_pages_and_fields():
                       TaskResult(**{**result.__dict__, "text": '{"total": 12'}), prompt, None, "m")
     assert fixed["parsed"] == {"total": 12} and fixed["parse_error"] is None
     assert fixed["json"]["status"] == "repaired" and "invalid JSON" in fixed["json"]["repaired"]
+    assert fixed["warnings"] == ["json_repaired"] and bad["warnings"] == ["json_parse_failed"]
     assert "max_tokens" not in bad["parse_error"]
     cut = ok_record(job, ref, "sha256:ab", task, "sha256:ab/f/0123",
                      TaskResult(**{**result.__dict__, "text": '{', "finish_reason": "length"}), prompt, None, "m")
