@@ -134,7 +134,8 @@ def plot_svg(records: list[dict]) -> str:
     bits = f" {spec.kv_bits:g} bits" if spec.kv_quant_scheme != "fp16" else ""
     dtype = "float32 on CPU" if exact == 4 else "fp16"
     rest = len(pts) - len(same)
-    other = f"<span>{rest} records of another model are not plotted</span>" if rest else ""
+    other = (f"<span>{rest} record{'s' if rest > 1 else ''} of another model not plotted</span>"
+             if rest else "")
     return (
         f'<svg id="kv-plot" width="{_W}" height="{_H + 20}" viewBox="0 0 {_W} {_H + 20}" role="img" '
         f'aria-label="KV cache bytes against context length">'
