@@ -37,6 +37,7 @@ chunk and continued after the document with its ``rope_deltas`` offset.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import time
 from dataclasses import dataclass, field
@@ -45,6 +46,8 @@ from typing import Any, Callable, Iterator, Sequence
 import mlx.core as mx
 
 from pipeline.errors import TqpipeError
+from pipeline.inference.constrained import json_processor
+from pipeline.inference.kv_size import KVGeometry, exact_tokens, figures
 from pipeline.inference.prompt import DocumentPrompt, concat_image_inputs
 
 
@@ -59,6 +62,7 @@ class TaskResult:
     tokens: dict
     timing: dict
     cache: dict
+    constrained: bool = False  # decoded through a JSON constraint
 
 
 @dataclass
@@ -68,6 +72,7 @@ class _Prefilled:
     nbytes: int
     pos_delta: int | None  # mRoPE offset to continue positions after the document, None = cache offset
     pos_ndim: int = 2
+    exact_tokens: int | None = None  # TurboQuant: tokens still in the exact window after prefill
     snapshot: list | None = field(default=None, repr=False)
     windows: list | None = field(default=None, repr=False)
 
@@ -185,6 +190,7 @@ class Engine:
             length=total,
             prefill_s=time.perf_counter() - t0,
             nbytes=self.cache_nbytes(),
+            exact_tokens=exact_tokens(self.cache),
             pos_delta=pos_delta,
             pos_ndim=pos_ndim,
         )
@@ -245,8 +251,14 @@ class Engine:
         return int(mx.random.categorical(logits * (1.0 / temperature), key=key).item())
 
     def run_task(self, state: _Prefilled, task: Any, task_ids: Sequence[int], *, on_token: Callable[[int], None] | None = None) -> TaskResult:
-        """Append the task tokens to the prefilled document, decode, rewind."""
+        """Append the task tokens to the prefilled document, decode, rewind.
+
+        ``format: json`` tasks decode through a per-row logits processor
+        (:func:`~pipeline.inference.constrained.json_processor`) called with
+        the tokens so far before each sample, so the answer is valid JSON.
+        """
         t0 = time.perf_counter()
+        processor = json_processor(task, self.loaded.tokenizer)
         ids = mx.array(list(task_ids), dtype=mx.int32)[None]
         try:
             logits = self._forward(ids, None, self._positions(state, ids.shape[1]), logits=True)
@@ -259,6 +271,8 @@ class Engine:
                 sub = None
                 if key is not None:
                     key, sub = mx.random.split(key)
+                if processor is not None:
+                    logits = processor(out, logits)
                 tok = self._sample(logits, task.temperature, sub)
                 if tok in self.eos_ids:
                     finish = "stop"
@@ -271,7 +285,7 @@ class Engine:
                 step = mx.array([[tok]], dtype=mx.int32)
                 logits = self._forward(step, None, self._positions(state, 1), logits=True)
             t2 = time.perf_counter()
-            nbytes_end = self.cache_nbytes()
+            nbytes_end, tokens_end = self.cache_nbytes(), self.cache[0].offset
         finally:
             self._rewind(state)
         text = self.loaded.tokenizer.decode(out)
@@ -282,10 +296,16 @@ class Engine:
             finish_reason=finish,
             tokens={"document": state.length, "task_prompt": len(task_ids), "generated": len(out)},
             timing={"prefill_s": round(state.prefill_s, 4), "task_prefill_s": round(t1 - t0, 4), "decode_s": round(t2 - t1, 4)},
-            cache=self.cache_record(state.nbytes, nbytes_end),
+            cache=self.cache_record(state.nbytes, nbytes_end, tokens=state.length, tokens_end=tokens_end,
+                                    exact=state.exact_tokens),
+            constrained=processor is not None,
         )
 
-    def cache_record(self, nbytes_prefill: int, nbytes_end: int | None = None) -> dict:
+    def cache_record(self, nbytes_prefill: int, nbytes_end: int | None = None, *, tokens: int | None = None,
+                     tokens_end: int | None = None, exact: int | None = None) -> dict:
+        """The record's ``cache`` field: scheme and widths, the bytes held after
+        prefill and at the end of the task, each with the fp16 bytes for the
+        same tokens (:mod:`pipeline.inference.kv_size`) so the saving is explicit."""
         spec = self.cache_spec
         rec = {
             "scheme": spec.kv_quant_scheme,
@@ -299,6 +319,16 @@ class Engine:
                        quantizer=spec.quantizer)
         if nbytes_end is not None:
             rec["nbytes_end_of_task"] = nbytes_end
+        geom = KVGeometry.from_config(getattr(self.loaded, "config", None))
+        if tokens is not None:
+            rec.update(figures(nbytes_prefill, tokens, geom))
+            if geom is not None:  # lets a reader (tqpipe report) draw the size formulas for this model
+                rec["geometry"] = dataclasses.asdict(geom)
+            if exact is not None:
+                rec["exact_tokens"] = exact
+        if tokens_end is not None and nbytes_end is not None and geom is not None:
+            rec["tokens_end_of_task"] = tokens_end
+            rec["fp16_nbytes_end_of_task"] = geom.fp16_nbytes(tokens_end)
         return rec
 
     def iter_process(

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator
 
 from pipeline.run.dispatch import DispatchStats, Dispatcher, WorkItem, first_line
+from pipeline.schema.paths import shown, text_safe
 
 logger = logging.getLogger(__name__)
 
@@ -173,15 +174,19 @@ class RayRun:
         from pipeline.run.runner import RunSummary
 
         refs = list(discover(self.job) if self.refs is None else self.refs)
-        summary = RunSummary(documents=len(refs))
+        summary = RunSummary(documents=len(refs), strict=self.job.spec.strict)
         job = self.job
         with JobLock(job.output_path, job=job.spec.name), ResultLog(job.output_path).open() as log:
             bar = make_progress(len(refs), "documents", "doc") if self.progress else None
+            from pipeline.run.runner import SameContent
+
+            self._same: list = []  # second names of one content: copied once their originals are written
             work = self._work(refs, log, summary, bar)
             first = next(work, None)
             started, dispatcher = False, None
             try:
                 if first is None:  # all done already: like the local runner, load no model
+                    self._copy_same(SameContent(log), summary, bar)
                     return self._finish(summary)
                 started = _connect(self.address, self.workers * self.num_cpus)
                 dispatcher = Dispatcher(
@@ -194,14 +199,21 @@ class RayRun:
                 dispatcher.run(
                     itertools.chain([first], work),
                     on_result=writer.records,
-                    on_error=lambda item, exc: writer.failure(item, _error(exc, "worker")),
+                    on_error=writer.error,
                     on_give_up=lambda item: writer.failure(item, _died(item)),
                 )
+                self._copy_same(SameContent(log), summary, bar)
             finally:
                 if bar is not None:
                     bar.close()
                 _release(dispatcher, started)
         return self._finish(summary)
+
+    def _copy_same(self, originals: Any, summary: Any, bar: Any) -> None:
+        for work in self._same:
+            originals.write(self.job, work, summary)
+            if bar is not None:
+                bar.update(1)
 
     def _finish(self, summary: Any) -> Any:
         logger.info(
@@ -226,7 +238,7 @@ class RayRun:
 
         import ray
 
-        from pipeline.errors import TqpipeError
+        from pipeline.errors import RunError, TqpipeError
 
         t0 = time.perf_counter()
         dispatcher.start()
@@ -240,7 +252,7 @@ class RayRun:
         except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as e:
             # The creation task's traceback ends with the real error ("ModelLoadError: ...").
             cause = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
-            raise TqpipeError(f"Ray: a worker failed to start (loading the model): {cause}") from None
+            raise RunError(f"Ray: a worker failed to start (loading the model): {cause}") from None
         self.ready_s = time.perf_counter() - t0
         logger.info("Ray: %d workers ready in %.1f s on %s", len(where), self.ready_s,
                     ", ".join(sorted({w["host"] for w in where})))
@@ -253,11 +265,14 @@ class RayRun:
         plan = WorkPlan(self.job, retry_failed=self.retry_failed)
         for ref in refs:
             work = plan.document(ref, log)
-            summary.failed += work.failed_before
+            summary.count_before(work)
             if not work.tasks:
                 summary.skipped += 1
                 if bar is not None:
                     bar.update(1)
+                continue
+            if work.same_as is not None:
+                self._same.append(work)
                 continue
             names = tuple(t.name for t in work.tasks)
             keys = tuple(work.keys[n] for n in names if n in work.keys)
@@ -287,28 +302,35 @@ class _Writer:
                 logger.warning("%s: record %s already written; not writing it twice", item.doc_id, key)
                 continue
             self.log.append(record)
-            self.summary.records_written += 1
-            if record["status"] == "ok":
-                self.summary.done += 1
-            else:
-                self.summary.failed += 1
+            if self.summary.count(record):
                 failed = True
-                logger.warning("%s [%s]: %s", item.doc_id, record["task"], record["error"]["message"])
+                logger.warning("%s [%s]: %s", shown(item.doc_id), record["task"], record["error"]["message"])
         self._finished(item, failed)
+
+    def error(self, item: WorkItem, exc: BaseException) -> None:
+        """A document's processing raised on the worker: its error records, unless
+        the run itself cannot go on (a model that does not load), which stops the run."""
+        from pipeline.errors import RunError
+
+        if isinstance(exc, RunError):
+            raise exc
+        self.failure(item, _error(exc, "worker"))
 
     def failure(self, item: WorkItem, error: dict) -> None:
         """Error records for every pending task of a document the workers could not finish."""
         from pipeline.output.render import error_records
         from pipeline.run.plan import task_keys
 
+        from pipeline.inputs.discover import unreadable_digest
+
         task: DocumentTask = item.payload
-        digest = task.digest or "sha256:unreadable"
+        digest = task.digest or unreadable_digest(task.ref)
         records = list(error_records(self.job, task.ref, digest, task.tasks, task_keys(self.job, digest), error))
         self.records(item, records)
 
     def _finished(self, item: WorkItem, failed: bool) -> None:
         if failed:
-            self.summary.failed_documents.append(item.doc_id)
+            self.summary.failed_documents.append(text_safe(item.doc_id))
         if self.bar is not None:
             self.bar.update(1)
             self.bar.set_postfix(failed=len(self.summary.failed_documents))
