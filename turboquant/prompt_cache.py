@@ -89,7 +89,8 @@ def make_prompt_cache(
     ``"turboquant"``: ``TurboQuantKVCache(kv_bits, ...)`` on every plain
     ``KVCache`` layer, rotation seed ``seed + layer index``; also installs
     the attention hook (``integration.install``).  ``"affine"``: mlx's
-    ``QuantizedKVCache(affine_group_size, int(kv_bits))`` on the same layers.
+    ``QuantizedKVCache(affine_group_size, int(kv_bits))`` on the same layers
+    (``affine.PaddedQuantizedKVCache``: padded to a round length on CUDA).
     ``"fp16"``: the model's own caches (the baseline; the model's dtype).
     ``quantizer`` (turboquant only): ``"scalar"`` (Lloyd-Max) or ``"tcq"``
     (trellis-coded, same bytes; see ``turboquant.trellis``).
@@ -115,8 +116,14 @@ def make_prompt_cache(
             from mlx_vlm.models.cache import QuantizedKVCache
         else:
             from mlx_lm.models.cache import QuantizedKVCache
+        from .affine import PaddedQuantizedKVCache, cuda_pad_multiple
+
+        pad = cuda_pad_multiple()  # odd lengths have no CUDA kernel: see affine.py
         for i in layers:
-            caches[i] = QuantizedKVCache(group_size=affine_group_size, bits=int(kv_bits))
+            caches[i] = (
+                PaddedQuantizedKVCache(group_size=affine_group_size, bits=int(kv_bits), pad_multiple=pad)
+                if pad > 1 else QuantizedKVCache(group_size=affine_group_size, bits=int(kv_bits))
+            )
         return caches
 
     resolve_bits(kv_bits, key_bits, value_bits)  # fail early with a clear message
