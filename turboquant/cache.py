@@ -122,6 +122,11 @@ class TurboQuantKVCache(_BaseCache):
         # Letting up to `flush_batch` tokens beyond the window wait and
         # quantizing them together amortizes that to ~1.1% (docs/benchmarks.md, GPU).
         self._flush_batch = None if flush_batch is None else max(1, int(flush_batch))
+        # True while a task decodes over a prefilled document: every token
+        # appended stays exact, the packed document is never written (so a
+        # task's rewind is a trim, and rows sharing the document match a task
+        # run alone: turboquant.shared_prefix).
+        self.hold = False
         self.seed = int(seed)
         self.offset = 0
         self.packed_len = 0
@@ -225,8 +230,8 @@ class TurboQuantKVCache(_BaseCache):
     def _flush_len(self) -> int:
         """Tokens the next ``update_and_fetch`` moves to packed storage: all
         beyond the window once at least ``flush_batch`` of them wait (a
-        prefill chunk always qualifies), else none."""
-        if self.window_keys is None:
+        prefill chunk always qualifies), else none; none while ``hold``."""
+        if self.window_keys is None or self.hold:
             return 0
         excess = self.window_keys.shape[2] - self.window
         return excess if excess >= self.flush_batch else 0
@@ -304,7 +309,7 @@ class TurboQuantKVCache(_BaseCache):
         self.offset = new_offset
         return n
 
-    _CHECKPOINT_ATTRS = ("offset", "packed_len", "window_keys", "window_values", "key_mean", "value_mean")
+    _CHECKPOINT_ATTRS = ("offset", "packed_len", "window_keys", "window_values", "key_mean", "value_mean", "hold")
 
     def checkpoint(self) -> dict:
         """A cheap marker to come back to with ``restore`` (references, no copies).
@@ -411,6 +416,7 @@ class TurboQuantKVCache(_BaseCache):
         kb, vb, window, seed, offset, packed_len, k_dim, v_dim = (int(x) for x in v[:8])
         self.key_bits, self.value_bits, self.window, self.seed = kb, vb, window, seed
         self._flush_batch = None  # a scheduling choice, not saved: the default
+        self.hold = False
         self.offset, self.packed_len = offset, packed_len
         self.reallocations, self._reserved = 0, 0
         self._dims = None
