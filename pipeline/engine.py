@@ -79,6 +79,7 @@ class _Prefilled:
     pos_ndim: int = 2
     snapshot: list | None = field(default=None, repr=False)
     windows: list | None = field(default=None, repr=False)
+    settled: bool = False  # TurboQuant windows trimmed to size before the first task (Engine.settle)
 
 
 def _make_cache(model: Any, spec: Any) -> list:
@@ -259,6 +260,7 @@ class Engine:
         TurboQuant caches ``hold`` while the task runs: its tokens stay exact
         and the packed document is never written (what batched rows see too).
         """
+        self.settle(state)
         t0 = time.perf_counter()
         ids = mx.array(list(task_ids), dtype=mx.int32)[None]
         row = Row.for_task(task, self.seed)
@@ -278,6 +280,21 @@ class Engine:
         finally:
             self._rewind(state)
         return self._result(state, task, task_ids, row, t1 - t0, row.done_at - t1, nbytes_end)
+
+    def settle(self, state: _Prefilled) -> None:
+        """Before the first task: quantize what the last prefill chunk left
+        beyond TurboQuant's exact window (tasks ``hold`` the window, so it
+        would otherwise stay exact for every task) and re-mark the rewind
+        point.  Idempotent; the same tokens a task's first append would flush."""
+        if state.windows is None or state.settled:
+            return
+        for c in self.cache:
+            if hasattr(c, "settle"):
+                c.settle()
+        mx.eval([c.state for c in self.cache])
+        state.windows = [c.checkpoint() if hasattr(c, "checkpoint") else None for c in self.cache]
+        state.nbytes = self.cache_nbytes()
+        state.settled = True
 
     def _result(self, state: _Prefilled, task: Any, task_ids: Sequence[int], row: Row,
                 task_prefill_s: float, decode_s: float, nbytes_end: int) -> TaskResult:
@@ -316,6 +333,7 @@ class Engine:
         from turboquant.shared_prefix import SharedPrefixCache
 
         install()
+        self.settle(state)
         t0 = time.perf_counter()
         S = max(len(ids) for ids in task_ids)
         pads = [S - len(ids) for ids in task_ids]
@@ -372,6 +390,13 @@ class Engine:
                 return
             for task in tasks:
                 yield self.run_task(state, task, prompt.task_ids[task.name], on_token=on_token)
+        except RuntimeError as e:  # MLX's bare "no kernel" for affine on CUDA: say what it means
+            from turboquant.affine import explain_cuda_error
+
+            better = explain_cuda_error(e)
+            if better is e:
+                raise
+            raise better from e
         finally:
             self.cache = None
             mx.clear_cache()

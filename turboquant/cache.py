@@ -236,11 +236,19 @@ class TurboQuantKVCache(_BaseCache):
         excess = self.window_keys.shape[2] - self.window
         return excess if excess >= self.flush_batch else 0
 
-    def _flush(self) -> None:
-        """Quantize the tokens beyond the exact window into packed storage."""
+    def settle(self) -> None:
+        """Quantize every token beyond the exact window now, whatever ``flush_batch``
+        says (the last prefill chunk would otherwise wait for the next append;
+        a task that ``hold``s would keep it exact for its whole decode)."""
+        if self.window_keys is not None:
+            self._flush(self.window_keys.shape[2] - self.window)
+
+    def _flush(self, excess: int | None = None) -> None:
+        """Quantize the tokens beyond the exact window (``excess`` of them,
+        default :meth:`_flush_len`) into packed storage."""
         if self.window_keys is None:
             return
-        excess = self._flush_len()
+        excess = self._flush_len() if excess is None else excess
         if excess <= 0:
             return
         if self.key_mean is None:
