@@ -297,21 +297,24 @@ class Engine:
         state.settled = True
 
     def _result(self, state: _Prefilled, task: Any, task_ids: Sequence[int], row: Row,
-                task_prefill_s: float, decode_s: float, nbytes_end: int) -> TaskResult:
+                task_prefill_s: float, decode_s: float, nbytes_end: int, rows: int = 1) -> TaskResult:
+        timing = {"prefill_s": round(state.prefill_s, 4), "task_prefill_s": round(task_prefill_s, 4),
+                  "decode_s": round(decode_s, 4)}
+        if rows > 1:  # decoded side by side: the suffix pass and decode time overlap the other rows'
+            timing["batch_rows"] = rows
         return TaskResult(
             task=task.name,
             text=self.loaded.tokenizer.decode(row.tokens),
             token_ids=row.tokens,
             finish_reason=row.finish,
             tokens={"document": state.length, "task_prompt": len(task_ids), "generated": len(row.tokens)},
-            timing={"prefill_s": round(state.prefill_s, 4), "task_prefill_s": round(task_prefill_s, 4),
-                    "decode_s": round(decode_s, 4)},
+            timing=timing,
             cache=self.cache_record(state.nbytes, nbytes_end),
         )
 
     def can_batch(self, state: _Prefilled) -> bool:
         """Whether this document's tasks can decode as one batch of rows
-        (``batch_rows``): a text model with plain RoPE positions, every layer's
+        (``run_batch``): a text model with plain RoPE positions, every layer's
         cache one the shared-prefix attention reads, and attention routed
         through the models' base function (``turboquant.integration``)."""
         if self.loaded.kind != "text" or state.pos_delta is not None or self.backbone is None:
@@ -353,7 +356,7 @@ class Engine:
 
         self.decode_forwards += _decode(rows, logits, step, self.eos_ids, keep=keep, on_token=on_token)
         nbytes_end = self.cache_nbytes() + sum(c.nbytes for c in rows_cache)
-        return [self._result(state, t, ids_, r, t1 - t0, r.done_at - t1, nbytes_end)
+        return [self._result(state, t, ids_, r, t1 - t0, r.done_at - t1, nbytes_end, rows=len(rows))
                 for t, ids_, r in zip(tasks, task_ids, rows)]
 
     def cache_record(self, nbytes_prefill: int, nbytes_end: int | None = None) -> dict:
