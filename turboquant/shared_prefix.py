@@ -38,7 +38,8 @@ from mlx_lm.models.cache import _BaseCache
 from .affine import padded_length
 from .masks import NEG
 
-DENSE_SCORES_BYTES = 64 << 20  # float32 scores (and one float32 key block) per dense step
+DENSE_SCORES_BYTES = 256 << 20  # float32 scores of one block of a dense document
+FLOAT32_TOKENS = 8192  # dense parts up to this long are multiplied in float32
 
 
 def _merge(a: tuple[mx.array, mx.array], b: tuple[mx.array, mx.array]) -> tuple[mx.array, mx.array]:
@@ -62,17 +63,29 @@ def _partial(scores: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
 
 def _dense_partial(q: mx.array, keys: mx.array, values: mx.array, n: int) -> tuple[mx.array, mx.array]:
     """Partial state of ``q [1, H, M, D]`` (float32, scaled) over dense
-    ``keys/values [1, H, >=n, D]``'s first ``n`` tokens, in blocks whose
-    float32 scores and key copy stay under ``DENSE_SCORES_BYTES``."""
+    ``keys/values [1, H, >=n, D]``'s first ``n`` tokens.
+
+    Up to ``FLOAT32_TOKENS`` tokens (a TurboQuant window, a row's tail, a
+    short document) the products run in float32.  A long half-precision
+    document (the fp16 baseline) multiplies in its own dtype with float32
+    accumulation and float32 softmax statistics: casting it to float32 would
+    read and write 5x its bytes per step, a cost no fused attention pays.
+    Blocks keep the float32 scores under ``DENSE_SCORES_BYTES``.
+    """
     _, H, M, D = q.shape
-    per_token = 4 * H * (M + 2 * D)
-    block = max(256, DENSE_SCORES_BYTES // max(1, per_token))
+    dt = mx.float32 if n <= FLOAT32_TOKENS else keys.dtype
+    qd = q.astype(dt)
+    block = max(256, DENSE_SCORES_BYTES // max(1, 4 * H * M))
     state = None
     for a in range(0, n, block):
         e = min(n, a + block)
-        k = keys[:, :, a:e].astype(mx.float32)
-        v = values[:, :, a:e].astype(mx.float32)
-        part = _partial(q @ k.swapaxes(-1, -2), v)
+        k, v = keys[:, :, a:e].astype(dt), values[:, :, a:e].astype(dt)
+        scores = (qd @ k.swapaxes(-1, -2)).astype(mx.float32)
+        m = scores.max(axis=-1, keepdims=True)
+        p = mx.exp(scores - m)
+        s = p.sum(axis=-1, keepdims=True)
+        out = (p.astype(dt) @ v).astype(mx.float32) / s
+        part = (m + mx.log(s), out)
         state = part if state is None else _merge(state, part)
     return state
 
