@@ -57,23 +57,37 @@ def load(args) -> Any:
 
 
 def document_prompt(loaded: Any, context: int, tasks: Sequence[Any]):
-    """A ``context``-token document (the long sample PDF's text) plus each task's suffix ids."""
+    """A ``context``-token document and each task's suffix ids: the long
+    sample PDF's page texts through the pipeline's own ``PromptBuilder`` (the
+    model's chat template), or plain ids for a random-weight shape."""
     from pipeline.context import DocumentPrompt
-    from pipeline.samples import _WORDS, long_pdf_code_word
 
-    tok = getattr(loaded.tokenizer, "encode", None)
-    if tok is None:  # random-weight shape: token ids only
+    if isinstance(loaded.tokenizer, _no_text_tokenizer()):
         ids = [(7 * i + 3) % 4000 + 100 for i in range(context)]
         suffix = {t.name: [(11 * j + 5 * k) % 4000 + 100 for j in range(6 + 3 * k)] for k, t in enumerate(tasks)}
-    else:
-        words, text, n = _WORDS.split(), [], 0
-        while n < context:
-            n += 1
-            text.append(f"This is page {n}. The code word for page {n} is {long_pdf_code_word(n)}. "
-                        + " ".join(words[(n * 7 + i) % len(words)] for i in range(250)))
-        ids = tok("Document:\n" + "\n\n".join(text))[:context]
-        suffix = {t.name: tok(f"\n\nQuestion: {QUESTIONS[t.name]}\nAnswer:", add_special_tokens=False) for t in tasks}
-    return DocumentPrompt(prefix_ids=ids, task_ids=suffix, page_offsets={1: 0}, included_pages=[1], skipped_pages=[])
+        return DocumentPrompt(prefix_ids=ids, task_ids=suffix, page_offsets={1: 0}, included_pages=[1],
+                              skipped_pages=[])
+    from pathlib import Path as _P
+
+    from pipeline.context import PromptBuilder
+    from pipeline.ingest import Document, DocumentRef, Page
+    from pipeline.jobs import ContextSpec
+    from pipeline.samples import _WORDS, long_pdf_code_word
+
+    words = _WORDS.split()
+    pages = [Page(n, f"This is page {n}. The code word for page {n} is {long_pdf_code_word(n)}.\n\n"
+                     + " ".join(words[(n * 7 + i) % len(words)] for i in range(250)), None, False)
+             for n in range(1, context // 100 + 2)]
+    doc = Document(ref=DocumentRef(source=_P("/bench/long.pdf"), kind="pdf", doc_id="long.pdf"),
+                   content_hash="sha256:0", page_count=len(pages), pages=pages)
+    builder = PromptBuilder(loaded.tokenizer, kind="text")
+    return builder.build(doc, ContextSpec(max_tokens=context + 256, overflow="truncate", images="never"), tasks)
+
+
+def _no_text_tokenizer():
+    from benchmarks.whole_model import _NoTextTokenizer
+
+    return _NoTextTokenizer
 
 
 def agreement(a: Sequence[Sequence[int]], b: Sequence[Sequence[int]]) -> float:
