@@ -44,7 +44,7 @@ QUESTIONS = {
 
 
 def load(args) -> Any:
-    from pipeline.models import load_model
+    from pipeline.models.load import load_model
 
     if args.shape:
         from types import SimpleNamespace
@@ -60,7 +60,7 @@ def document_prompt(loaded: Any, context: int, tasks: Sequence[Any]):
     """A ``context``-token document and each task's suffix ids: the long
     sample PDF's page texts through the pipeline's own ``PromptBuilder`` (the
     model's chat template), or plain ids for a random-weight shape."""
-    from pipeline.context import DocumentPrompt
+    from pipeline.inference.prompt import DocumentPrompt
 
     if isinstance(loaded.tokenizer, _no_text_tokenizer()):
         ids = [(7 * i + 3) % 4000 + 100 for i in range(context)]
@@ -69,10 +69,11 @@ def document_prompt(loaded: Any, context: int, tasks: Sequence[Any]):
                               skipped_pages=[])
     from pathlib import Path as _P
 
-    from pipeline.context import PromptBuilder
-    from pipeline.ingest import Document, DocumentRef, Page
-    from pipeline.jobs import ContextSpec
-    from pipeline.samples import _WORDS, long_pdf_code_word
+    from pipeline.inference.prompt import PromptBuilder
+    from pipeline.inputs.discover import DocumentRef
+    from pipeline.inputs.document import Document, Page
+    from pipeline.schema.job import ContextSpec
+    from pipeline.inputs.samples import _WORDS, long_pdf_code_word
 
     words = _WORDS.split()
     pages = [Page(n, f"This is page {n}. The code word for page {n} is {long_pdf_code_word(n)}.\n\n"
@@ -124,8 +125,8 @@ def last_logits_diff(engine, state, prompt, tasks, seqs: list[list[int]]) -> flo
 
 def run(loaded: Any, cache: str, context: int, tokens: int) -> dict:
     from benchmarks.whole_model import cache_spec
-    from pipeline.engine import Engine
-    from pipeline.jobs import TaskSpec
+    from pipeline.inference.engine import Engine
+    from pipeline.schema.job import TaskSpec
 
     tasks = [TaskSpec(name=k, prompt=q, max_tokens=tokens) for k, q in QUESTIONS.items()]
     prompt = document_prompt(loaded, context, tasks)

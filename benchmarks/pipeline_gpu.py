@@ -5,7 +5,7 @@
     python -m benchmarks.pipeline_gpu --tiny --json OUT.json      # CPU smoke of the plumbing
 
 In ``--work`` (default: a temp dir) it writes the sample PDFs
-(``pipeline.samples.make_long_pdf``: ``--pages`` pages each), builds the model
+(``pipeline.inputs.samples.make_long_pdf``: ``--pages`` pages each), builds the model
 directory once if ``--model`` is not given (``scripts/build_model.py
 --shape``), and writes one job file per cache that differs from
 ``jobs/long_pdfs.yaml`` only in paths and the cache block.  Each job runs in
@@ -97,7 +97,7 @@ def doc_rows(cache: str, records: list[dict]) -> list[dict]:
 
 def prepare(work: Path, pages: list[int], model: Path | None, shape: str) -> tuple[Path, Path]:
     """The sample PDFs and the model directory (built once, kept in ``work``)."""
-    from pipeline.samples import make_long_pdf
+    from pipeline.inputs.samples import make_long_pdf
 
     docs = work / "docs"
     docs.mkdir(parents=True, exist_ok=True)

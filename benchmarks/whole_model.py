@@ -56,7 +56,7 @@ HEADROOM = 0.92  # share of device memory a run may plan to use
 
 def cache_spec(cache: str, chunk: int):
     """The job's ``CacheSpec`` for a row's cache name."""
-    from pipeline.jobs import CacheSpec
+    from pipeline.schema.job import CacheSpec
 
     if cache == "bf16":
         return CacheSpec(kv_quant_scheme="fp16", prefill_chunk=chunk)
@@ -108,7 +108,7 @@ def _fill(cache: list, cfg: dict, n: int, dtype: mx.Dtype) -> None:
 
 def _state(engine, n: int):
     """The engine's prefill record for an already filled cache (synthetic rows)."""
-    from pipeline.engine import _Prefilled
+    from pipeline.inference.engine import _Prefilled
 
     st = _Prefilled(length=n, prefill_s=0.0, nbytes=engine.cache_nbytes(), pos_delta=None)
     st.windows = [c.checkpoint() if hasattr(c, "checkpoint") else None for c in engine.cache]
@@ -134,9 +134,9 @@ def _generate_step_tok_s(engine, tokens: int) -> float:
 def measure_row(model, cfg: dict, context: int, cache: str, *, tokens: int, chunk: int, ttft_max: int,
                 dtype: mx.Dtype) -> dict:
     """One (context, cache) row; see the module docstring."""
-    from pipeline.context import DocumentPrompt
-    from pipeline.engine import Engine
-    from pipeline.jobs import TaskSpec
+    from pipeline.inference.prompt import DocumentPrompt
+    from pipeline.inference.engine import Engine
+    from pipeline.schema.job import TaskSpec
 
     loaded = SimpleNamespace(model=model, tokenizer=_NoTextTokenizer(), kind="text", name="whole-model")
     engine = Engine(loaded, cache_spec(cache, chunk))
@@ -155,7 +155,7 @@ def measure_row(model, cfg: dict, context: int, cache: str, *, tokens: int, chun
         engine.run_task(state, first, suffix)
         ttft = time.perf_counter() - t0
     else:
-        from pipeline.engine import _make_cache
+        from pipeline.inference.engine import _make_cache
 
         engine.cache = _make_cache(model, engine.cache_spec)
         _fill(engine.cache, cfg, context, dtype)

@@ -10,7 +10,7 @@ vocabulary.  This writes what ``model.path`` needs (``mlx_lm.load`` reads it):
   derived from ``--seed`` and the tensor's name (norms are ones), so the same
   command writes the same weights in any order, in ``--dtype``;
 * ``tokenizer.json`` + ``tokenizer_config.json``: a byte-level BPE trained
-  here on the text of tqpipe's own long sample PDFs (``pipeline.samples``),
+  here on the text of tqpipe's own long sample PDFs (``pipeline.inputs.samples``),
   with Llama-3's special tokens and chat template.  Its ids sit below the
   config's vocabulary (the embedding rows above are simply never used).
 
@@ -124,7 +124,7 @@ def write_weights(out: Path, c: dict, seed: int, dtype: str) -> int:
 
 def corpus(pages: int = 400, seed: int = 0) -> Iterator[str]:
     """Text like the long sample PDFs' pages (the tokenizer's training set)."""
-    from pipeline.samples import _WORDS, long_pdf_code_word
+    from pipeline.inputs.samples import _WORDS, long_pdf_code_word
 
     rng = random.Random(seed)
     words = _WORDS.split()

@@ -10,7 +10,7 @@ import pytest
 from benchmarks import engine_batch, pipeline_gpu, whole_model
 import yaml
 
-from pipeline.jobs import JobSpec
+from pipeline.schema.job import JobSpec
 
 REPO = Path(__file__).resolve().parents[2]
 ROW_KEYS = {"context", "cache", "decode_tok_s", "generate_step_tok_s", "ttft_s", "kv_bytes", "peak_bytes"}
