@@ -25,19 +25,28 @@ DEFAULT_CPU_WORKERS = 2
 
 @dataclass(frozen=True)
 class ActorPlan:
-    """``gpu_actors`` actors reserving ``num_gpus`` each, then ``cpu_actors`` CPU-only ones."""
+    """``gpu_actors`` actors reserving ``num_gpus`` each, then ``cpu_actors`` CPU-only ones.
+
+    ``pin``: the cluster has GPUs, so every actor pins MLX to its device (a
+    CPU actor there must not touch a GPU another actor reserved); on a
+    cluster without GPU resources actors keep MLX's default device (a Mac's
+    Metal GPU is no Ray resource).
+    """
 
     gpu_actors: int
     cpu_actors: int
     num_gpus: float
     num_cpus: float
+    pin: bool = False
 
     @property
     def workers(self) -> int:
         return self.gpu_actors + self.cpu_actors
 
-    def device(self, index: int) -> str:
-        """``"gpu"`` or ``"cpu"``: where actor ``index`` runs MLX."""
+    def device(self, index: int) -> str | None:
+        """``"gpu"`` or ``"cpu"``: where actor ``index`` runs MLX (None: MLX's default)."""
+        if not self.pin:
+            return None
         return "gpu" if index < self.gpu_actors else "cpu"
 
     def resources(self, index: int) -> dict:
@@ -70,10 +79,26 @@ def plan_actors(cluster_gpus: float, workers: int | None, gpus_per_worker: float
     if slots == 0:
         if share > 0 and gpus_per_worker is not None:
             raise ValueError(f"gpus_per_worker={gpus_per_worker:g} but the cluster has {cluster_gpus:g} GPUs")
-        return ActorPlan(0, workers or DEFAULT_CPU_WORKERS, 0.0, num_cpus)
+        return ActorPlan(0, workers or DEFAULT_CPU_WORKERS, 0.0, num_cpus, pin=cluster_gpus > 0)
     n = slots if workers is None else workers
     gpu_actors = min(n, slots)
-    return ActorPlan(gpu_actors, n - gpu_actors, share, num_cpus)
+    return ActorPlan(gpu_actors, n - gpu_actors, share, num_cpus, pin=True)
+
+
+def local_gpus() -> int:
+    """NVIDIA GPUs this machine offers a private Ray instance (as Ray counts them:
+    ``CUDA_VISIBLE_DEVICES`` when set, else ``nvidia-smi -L``)."""
+    import os
+    import subprocess
+
+    env = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if env is not None:
+        return len([d for d in env.split(",") if d.strip() and d.strip() != "-1"])
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=20).stdout
+    except (OSError, subprocess.SubprocessError):
+        return 0
+    return sum(1 for line in out.splitlines() if line.startswith("GPU "))
 
 
 def pin_device(device: str) -> None:

@@ -130,11 +130,17 @@ class ContextSpec(_Spec):
 
 
 class EngineSpec(_Spec):
-    """Where documents run: locally, or on Ray with these workers and retry bounds."""
+    """Where documents run: locally, or on Ray with these workers and retry bounds.
+
+    ``workers`` None: one actor per GPU of the cluster (2 CPU actors where it
+    has none); ``gpus_per_worker`` None: 1 where there are GPUs, 0 forces CPU
+    actors (``pipeline.run.ray_resources``).
+    """
 
     kind: Literal["local", "ray"] = "local"
     address: str | None = None
-    workers: int = Field(2, ge=1)
+    workers: int | None = Field(None, ge=1)
+    gpus_per_worker: float | None = Field(None, ge=0)
     max_retries: int = Field(2, ge=0)
     max_in_flight_per_worker: int = Field(2, ge=1)
 
