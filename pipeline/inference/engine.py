@@ -383,7 +383,8 @@ class Engine:
         on_prefill: Callable[[int], None] | None = None,
         on_token: Callable[[int], None] | None = None,
     ) -> Iterator[TaskResult]:
-        """Prefill ``prompt`` once, then yield each task's result as soon as it is done."""
+        """Prefill ``prompt`` once, then yield each task's result in task order:
+        all at once after a batch of rows, else each as soon as it is done."""
         reserve = max(len(prompt.task_ids[t.name]) + t.max_tokens for t in tasks)
         state = self.prefill(prompt, reserve=reserve, on_tokens=on_prefill)
         try:
