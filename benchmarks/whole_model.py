@@ -22,9 +22,10 @@ Per (context, cache) one row:
   which costs what a prefill's cache writes cost but skips its attention;
 * ``kv_bytes``: the cache's bytes for its tokens; ``peak_bytes``: MLX's peak
   memory during the row (weights + cache + temporaries);
-* ``fits``: false (and no timings) where weights + cache would not fit the
-  device memory; ``max_context`` per cache: the largest context that fits,
-  from the measured bytes per token.
+* ``fits``: false (and no timings) where weights + cache would not fit
+  ``HEADROOM`` of the device memory, judged from the bytes per token of a
+  small fill before any long row runs; ``max_context`` per cache: the
+  largest context that fits, from the bytes per token of its longest row.
 
 The JSON: ``{"rows": [...], "max_context": {cache: tokens}, "meta": {...}}``;
 each row has ``context``, ``cache`` (``bf16``, ``turboquant-2.5``, ...),
@@ -174,6 +175,23 @@ def measure_row(model, cfg: dict, context: int, cache: str, *, tokens: int, chun
     return row
 
 
+def bytes_per_token(model, cfg: dict, cache: str, dtype: mx.Dtype, n: int = 8192) -> float:
+    """The cache's bytes per token, measured on a small synthetic fill (so a
+    row that would not fit is skipped before it is tried)."""
+    from pipeline.inference.engine import _make_cache
+
+    caches = _make_cache(model, cache_spec(cache, 512))
+    _fill(caches, cfg, n, dtype)
+    for c in caches:
+        if hasattr(c, "settle"):
+            c.settle()
+    mx.eval([c.state for c in caches])
+    used = sum(getattr(c, "used_nbytes", None) or c.nbytes for c in caches)
+    del caches
+    mx.clear_cache()
+    return used / n
+
+
 def device_bytes() -> int:
     """The default device's memory (the host's RAM on CPU)."""
     import os
@@ -215,17 +233,19 @@ def main(argv: list[str] | None = None) -> dict:
     model, cfg = build_model(shape, dtype)
     wbytes = weights_bytes(model)
     budget = device_bytes() * HEADROOM
-    rows, per_token = [], {}
+    rows = []
+    small = min(8192, min(contexts))
+    per_token = {c: bytes_per_token(model, cfg, c, dtype, small) for c in caches}
     for context in contexts:
         for cache in caches:
-            if cache in per_token and wbytes + per_token[cache] * context * 1.05 > budget:
+            if wbytes + per_token[cache] * context * 1.05 > budget:
                 rows.append({"context": context, "cache": cache, "fits": False, "decode_tok_s": None,
                              "generate_step_tok_s": None, "ttft_s": None,
                              "kv_bytes": int(per_token[cache] * context), "peak_bytes": None})
                 print(json.dumps(rows[-1]), flush=True)
                 continue
             row = measure_row(model, cfg, context, cache, tokens=tokens, chunk=chunk, ttft_max=ttft_max, dtype=dtype)
-            per_token[cache] = row["kv_bytes"] / context
+            per_token[cache] = row["kv_bytes"] / context  # the longest measured context is the best estimate
             rows.append(row)
             print(json.dumps(row), flush=True)
     max_context = {c: int((budget - wbytes) / per_token[c]) for c in per_token if per_token[c] > 0}
