@@ -120,7 +120,10 @@ def _turboquant_packed_partial(q: mx.array, doc) -> tuple[mx.array, mx.array]:
 
     q_rot = doc.rotation.forward(q)
     vrot = doc.value_rotation
-    if kernels.use_kernels() and kernels.kernel_supported(q, doc.window_keys, doc):
+    _, H, R, D = q.shape
+    kernel_rows = (kernels.uses_tc(D, doc.keys_norms.shape[2], R)  # tensor cores: any row count
+                   or kernels.decode_config(D, R, H, 1) is not None)  # SIMT: a few rows only
+    if kernels.use_kernels() and kernels.kernel_supported(q, doc.window_keys, doc) and kernel_rows:
         out_p, lse_p = kernels.decode(
             q_rot, doc.keys_packed, doc.keys_norms, doc.values_packed, doc.values_norms,
             kernels._centroids(doc.key_codec), kernels._centroids(doc.value_codec),
@@ -128,7 +131,6 @@ def _turboquant_packed_partial(q: mx.array, doc) -> tuple[mx.array, mx.array]:
         )
         lse, out_rot = lse_p[..., None], out_p
     else:
-        _, _, R, _ = q.shape
         m, s, acc = attention._packed_part(q_rot, doc, None, R, 1)
         lse, out_rot = m + mx.log(s), acc / s
     if doc.key_mean is not None:
