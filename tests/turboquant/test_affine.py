@@ -42,16 +42,24 @@ def _model():
 
 @pytest.mark.parametrize("prompt_len", [37, 255, 256])  # odd, one short of a granule, round
 def test_padded_cache_equals_unpadded_at_every_length(prompt_len):
+    """On the default device (CUDA on the GPU machine: odd lengths are exactly
+    what has no kernel there) against the unpadded cache on the CPU."""
     model = _model()
     ids = mx.array([[(5 * i + 3) % 95 + 1 for i in range(prompt_len)]])
     plain = [QuantizedKVCache(group_size=32, bits=4) for _ in model.layers]
     padded = [PaddedQuantizedKVCache(group_size=32, bits=4, pad_multiple=CUDA_PAD_MULTIPLE) for _ in model.layers]
-    a, b = model(ids, cache=plain), model(ids, cache=padded)
-    assert mx.allclose(a, b, atol=1e-4, rtol=1e-4)
+    with mx.stream(mx.cpu):
+        a = model(ids, cache=plain)
+        mx.eval(a)
+    b = model(ids, cache=padded)
+    assert mx.allclose(a, b, atol=1e-3, rtol=1e-3)
     for t in range(4):  # decode steps over odd and even lengths
         tok = mx.argmax(a[:, -1:], axis=-1)
-        a, b = model(tok, cache=plain), model(tok, cache=padded)
-        assert mx.allclose(a, b, atol=1e-4, rtol=1e-4), (prompt_len, t)
+        with mx.stream(mx.cpu):
+            a = model(tok, cache=plain)
+            mx.eval(a)
+        b = model(tok, cache=padded)
+        assert mx.allclose(a, b, atol=1e-3, rtol=1e-3), (prompt_len, t)
         n = prompt_len + t + 1
         assert padded[0].offset == n
         assert padded[0].keys[0].shape[-2] >= padded_length(n, CUDA_PAD_MULTIPLE)  # room for the padding
