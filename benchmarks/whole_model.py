@@ -210,6 +210,8 @@ def weights_bytes(model) -> int:
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", type=Path, help="write the result here")
+    ap.add_argument("--append", action="store_true",
+                    help="add the rows to those already in --json (a long sweep split over several calls)")
     ap.add_argument("--tiny", action="store_true", help="CPU smoke: tiny shape, float32, short contexts")
     ap.add_argument("--shape", default=None, help="8b (default), 1b or tiny")
     ap.add_argument("--contexts", default=None, help="comma-separated token counts")
@@ -256,6 +258,12 @@ def main(argv: list[str] | None = None) -> dict:
                  "timed_tokens": tokens, "prefill_chunk": chunk, "mlx": mx.__version__,
                  "device": str(mx.default_device()), "machine": platform.machine()},
     }
+    if a.json and a.append and a.json.exists():
+        old = json.loads(a.json.read_text())
+        done = {(r["context"], r["cache"]) for r in rows}
+        result["rows"] = [r for r in old["rows"] if (r["context"], r["cache"]) not in done] + rows
+        result["rows"].sort(key=lambda r: (r["context"], CACHES.index(r["cache"])))
+        result["max_context"] = {**old.get("max_context", {}), **max_context}
     if a.json:
         a.json.write_text(json.dumps(result, indent=1))
     return result
