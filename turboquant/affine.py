@@ -40,11 +40,9 @@ def padded_length(n: int, multiple: int, capacity: Optional[int] = None) -> int:
 
 def cuda_pad_multiple() -> int:
     """The padding the default device needs: CUDA_PAD_MULTIPLE on CUDA, else 1."""
-    try:
-        on_gpu = mx.default_device() == mx.gpu and mx.cuda.is_available()
-    except AttributeError:  # an MLX build without the cuda module
-        on_gpu = False
-    return CUDA_PAD_MULTIPLE if on_gpu else 1
+    from .attention.device import backend, on_gpu
+
+    return CUDA_PAD_MULTIPLE if backend() == "cuda" and on_gpu() else 1
 
 
 def explain_cuda_error(exc: BaseException) -> BaseException:

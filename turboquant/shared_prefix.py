@@ -111,27 +111,45 @@ def _affine_partial(q: mx.array, doc, n: int) -> tuple[mx.array, mx.array]:
     return m + mx.log(s), out.astype(mx.float32) / s
 
 
+def _document_route(q: mx.array, doc):
+    """The kernel decision (``attention.route.choose``) for reading the
+    packed document with ``q [1, H_kv, R, D]``: R rows per kv head, no mask.
+    Only the packed part's softmax state is wanted here, so the fused step
+    (which also takes the window) becomes its kernel, tc8."""
+    from .attention import device
+    from .attention.route import Route, choose, describe
+
+    wk = doc.window_keys if doc.window_keys is not None else q[:, :, :0]
+    wv = doc.window_values if doc.window_values is not None else wk
+    route = choose(describe(q, wk, wv, doc, None, None, None, device.on_gpu()), device.backend(), device.mode())
+    return Route.TC8 if route is Route.FUSED_STEP else route
+
+
 def _turboquant_packed_partial(q: mx.array, doc) -> tuple[mx.array, mx.array]:
     """Partial state of ``q [1, H_kv, R, D]`` over a TurboQuant document's
-    packed history, centring terms included, in the original domain.  The
-    GPU decode kernel where it applies (``R`` rows per kv head: tc8 up to 8,
-    the 16-row-tile kernel beyond), else the blockwise reference path."""
-    from . import attention, kernels
+    packed history, centring terms included, in the original domain: the
+    split-K kernel the route names (tc8 up to 8 rows per kv head, the
+    16-row-tile tc kernel beyond, SIMT for a few rows on other GPUs), else
+    the blockwise reference path."""
+    from .attention import launchers
+    from .attention.compose import value_rotation
+    from .attention.pair_tables import centroids
+    from .attention.reference import _packed_part
+    from .attention.route import Route
 
     q_rot = doc.rotation.forward(q)
-    vrot = doc.value_rotation
-    _, H, R, D = q.shape
-    kernel_rows = (kernels.uses_tc(D, doc.keys_norms.shape[2], R)  # tensor cores: any row count
-                   or kernels.decode_config(D, R, H, 1) is not None)  # SIMT: a few rows only
-    if kernels.use_kernels() and kernels.kernel_supported(q, doc.window_keys, doc) and kernel_rows:
-        out_p, lse_p = kernels.decode(
+    vrot = value_rotation(doc)
+    route = _document_route(q, doc)
+    if route in (Route.TC8, Route.TC, Route.SIMT):
+        out_p, lse_p = launchers.decode(
             q_rot, doc.keys_packed, doc.keys_norms, doc.values_packed, doc.values_norms,
-            kernels._centroids(doc.key_codec), kernels._centroids(doc.value_codec),
-            doc.packed_len, doc.key_codec.bits, doc.value_codec.bits,
+            centroids(doc.key_codec), centroids(doc.value_codec),
+            doc.packed_len, doc.key_codec.bits, doc.value_codec.bits, route,
         )
         lse, out_rot = lse_p[..., None], out_p
-    else:
-        m, s, acc = attention._packed_part(q_rot, doc, None, R, 1)
+    else:  # reference (no GPU, a trellis codec, or rows the SIMT kernel does not take)
+        R = q.shape[2]
+        m, s, acc = _packed_part(q_rot, doc, None, R, 1)
         lse, out_rot = m + mx.log(s), acc / s
     if doc.key_mean is not None:
         lse = lse + q @ doc.key_mean.astype(mx.float32).swapaxes(-1, -2)
