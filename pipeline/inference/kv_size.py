@@ -51,41 +51,21 @@ class KVGeometry:
         return tokens * self.layers * self.kv_heads * (self.k_dim + self.v_dim) * FP16_BYTES
 
 
-def exact_after_prefill(tokens: int, window: int, chunk: int) -> int:
-    """Tokens TurboQuant holds exact right after a chunked prefill of ``tokens``.
-
-    The cache packs what fell out of the window only when the next chunk
-    arrives (and at least ``window // 2`` tokens wait), so the last chunk
-    and up to the window before it are still exact; a document of one chunk
-    is entirely exact until its first task token.
-    """
-    if tokens <= 0:
-        return 0
-    last = tokens - chunk * ((tokens - 1) // chunk)
-    before = tokens - last
-    kept = before if before - window < max(1, window // 2) else window
-    return kept + last
-
-
-def cache_nbytes_formula(geom: KVGeometry, spec: Any, tokens: int, *, exact_bytes: int = FP16_BYTES,
-                         after_prefill: bool = False) -> int:
-    """Bytes the job's cache holds for ``tokens`` tokens once settled
-    (``after_prefill``: right after the prefill, see :func:`exact_after_prefill`).
+def cache_nbytes_formula(geom: KVGeometry, spec: Any, tokens: int, *, exact_bytes: int = FP16_BYTES) -> int:
+    """Bytes the job's cache holds for ``tokens`` tokens once settled (the
+    engine settles a TuroQuant cache before its first task, so records report this).
 
     TurboQuant: tokens beyond the window packed (indices + one fp16 norm per
     vector), the last ``window`` exact at ``exact_bytes`` per element, plus
     the float32 centring means.  Affine: ``kv_bits`` per element plus a
     scale and bias per group.  fp16: the model's dtype (``exact_bytes``:
-    float32 on the CPU path, where even the "fp16" scheme holds 4 bytes).  Right after a
-    prefill up to ``window // 2`` more tokens may still wait in the exact
-    window; measured values in records include them.
+    float32 on the CPU path, where even the "fp16" scheme holds 4 bytes).
     """
     per_head = geom.layers * geom.kv_heads
     scheme = spec.kv_quant_scheme
     if scheme == "turboquant":
         kb, vb = resolve_bits(spec.kv_bits, spec.key_bits, spec.value_bits)
-        exact = (exact_after_prefill(tokens, spec.window, spec.prefill_chunk) if after_prefill
-                 else min(tokens, spec.window))
+        exact = min(tokens, spec.window)
         packed = tokens - exact
         packed_tok = 4 * (packed_words(geom.k_dim, kb) + packed_words(geom.v_dim, vb)) + 2 * FP16_BYTES
         exact_tok = (geom.k_dim + geom.v_dim) * exact_bytes

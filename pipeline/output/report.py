@@ -78,7 +78,7 @@ def _exact_bytes(rec: dict, geom: KVGeometry, spec: Any) -> int:
     """Bytes per exact-window element the run used (4 on the CPU path, else 2), read off the measurement."""
     measured = rec["cache"]["nbytes_after_prefill"]
     n = rec["cache"]["tokens"]
-    return min((2, 4), key=lambda b: abs(cache_nbytes_formula(geom, spec, n, exact_bytes=b, after_prefill=True) - measured))
+    return min((2, 4), key=lambda b: abs(cache_nbytes_formula(geom, spec, n, exact_bytes=b) - measured))
 
 
 def plot_svg(records: list[dict]) -> str:
@@ -100,7 +100,7 @@ def plot_svg(records: list[dict]) -> str:
     xs = [x for x in xs if x <= x_max]
     fp16 = [geom.fp16_nbytes(x) for x in xs]
     ours = [cache_nbytes_formula(geom, spec, x, exact_bytes=exact) for x in xs]
-    ours_pre = [cache_nbytes_formula(geom, spec, x, exact_bytes=exact, after_prefill=True) for x in xs]
+    ours_pre = [cache_nbytes_formula(geom, spec, x, exact_bytes=exact) for x in xs]
     measured = [(r["cache"]["tokens"], r["cache"]["nbytes_after_prefill"]) for r in same]
     y_max = max(max(fp16), max(ours), max(ours_pre), max(b for _, b in measured)) * 1.08
 

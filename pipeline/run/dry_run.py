@@ -84,8 +84,7 @@ def dry_run_document(tokenizers: Tokenizers, job: Job, ref: DocumentRef) -> dict
     geom = KVGeometry.from_config(getattr(builder, "model_config", None))
     if geom is not None:  # what the cache will hold for the prompt actually prefilled
         row["kv"] = {"scheme": job.spec.cache.kv_quant_scheme,
-                     "nbytes": cache_nbytes_formula(geom, job.spec.cache, prompt.n_tokens, exact_bytes=_exact_bytes(),
-                                                       after_prefill=True),
+                     "nbytes": cache_nbytes_formula(geom, job.spec.cache, prompt.n_tokens, exact_bytes=_exact_bytes()),
                      "fp16_nbytes": geom.fp16_nbytes(prompt.n_tokens)}
     if trunc["truncated"]:
         row["truncate"] = {k: trunc[k] for k in ("tokens_dropped", "pages_dropped", "partial_page")}

@@ -72,11 +72,16 @@ class DocumentWorker:
         *,
         setup: Callable[[Any], Any] | None = None,
         process: Callable[[Any, Any, Any], Iterable[dict]] | None = None,
+        device: str | None = None,
     ):
         import socket
 
+        if device is not None:  # before any model loads: the GPU Ray gave us, or the CPU
+            from pipeline.run.ray_resources import pin_device
+
+            pin_device(device)
         self.job = job
-        self.where = {"host": socket.gethostname(), "pid": os.getpid()}
+        self.where = {"host": socket.gethostname(), "pid": os.getpid(), "device": device or "default"}
         self._process = process or _process_document
         self.state = (setup or _load_engines)(job)
 
@@ -152,7 +157,10 @@ class RayRun:
         spec = job.spec.engine
         self.job = job
         self.address = address if address is not None else spec.address
-        self.workers = workers if workers is not None else spec.workers
+        self.workers_asked = workers if workers is not None else spec.workers  # None: one per GPU
+        self.gpus_per_worker = spec.gpus_per_worker
+        self.plan: Any = None  # ray_resources.ActorPlan, once connected
+        self.workers = self.workers_asked or 0
         self.max_retries = spec.max_retries
         self.per_worker = spec.max_in_flight_per_worker
         self.retry_failed = retry_failed
@@ -188,7 +196,9 @@ class RayRun:
                 if first is None:  # all done already: like the local runner, load no model
                     self._copy_same(SameContent(log), summary, bar)
                     return self._finish(summary)
-                started = _connect(self.address, self.workers * self.num_cpus)
+                started = _connect(self.address, self.workers_asked, self.num_cpus)
+                self.plan = _plan(self.address, self.workers_asked, self.gpus_per_worker, self.num_cpus)
+                self.workers = self.plan.workers
                 dispatcher = Dispatcher(
                     self._actor_factory(), workers=self.workers,
                     max_in_flight_per_worker=self.per_worker, max_retries=self.max_retries,
@@ -225,11 +235,21 @@ class RayRun:
         return summary
 
     def _actor_factory(self) -> Callable[[int], Any]:
+        """Actor ``index`` with its plan's resources (a restart keeps its index)."""
         import ray
 
-        remote = ray.remote(num_cpus=self.num_cpus, max_restarts=0)(DocumentWorker)
+        plan = self.plan
+        kinds = {}  # one remote class per resource shape
         job = ray.put(self.job)  # once, not once per (re)started actor
-        return lambda index: remote.remote(job, setup=self.setup, process=self.process)
+
+        def make(index: int) -> Any:
+            res = plan.resources(index)
+            key = (res["num_cpus"], res["num_gpus"])
+            if key not in kinds:
+                kinds[key] = ray.remote(max_restarts=0, **res)(DocumentWorker)
+            return kinds[key].remote(job, setup=self.setup, process=self.process, device=plan.device(index))
+
+        return make
 
     def _start(self, dispatcher: Dispatcher) -> None:
         """Start the actors and wait until each has loaded its model, so a
@@ -247,14 +267,14 @@ class RayRun:
         except ray.exceptions.GetTimeoutError:
             raise TqpipeError(
                 f"Ray: {self.workers} workers not ready after {self.ready_timeout_s:.0f} s "
-                f"(cluster {self.address or 'local'}; each needs {self.num_cpus} CPU)"
+                f"(cluster {self.address or 'local'}; {self.plan.describe()}, {self.num_cpus:g} CPU each)"
             ) from None
         except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as e:
             # The creation task's traceback ends with the real error ("ModelLoadError: ...").
             cause = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
             raise RunError(f"Ray: a worker failed to start (loading the model): {cause}") from None
         self.ready_s = time.perf_counter() - t0
-        logger.info("Ray: %d workers ready in %.1f s on %s", len(where), self.ready_s,
+        logger.info("Ray: %d workers (%s) ready in %.1f s on %s", len(where), self.plan.describe(), self.ready_s,
                     ", ".join(sorted({w["host"] for w in where})))
 
     def _work(self, refs: list, log: Any, summary: Any, bar: Any) -> Iterator[WorkItem]:
@@ -353,15 +373,18 @@ def _died(item: WorkItem) -> dict:
     }
 
 
-def _connect(address: str | None, cpus: float) -> bool:
+def _connect(address: str | None, workers: int | None, cpus_per_worker: float) -> bool:
     """Join ``address`` or start a private local cluster; True if we called ``ray.init``.
 
-    An already-initialised Ray (a notebook, a test fixture) is used as is
-    and left running.
+    A private cluster gets this machine's GPUs and enough CPUs for the
+    actors the plan will ask for (``workers``, or one per GPU, or the
+    default CPU actors).  An already-initialised Ray (a notebook, a test
+    fixture) is used as is and left running.
     """
     import ray
 
     from pipeline.errors import TqpipeError
+    from pipeline.run.ray_resources import DEFAULT_CPU_WORKERS, local_gpus
 
     if ray.is_initialized():
         return False
@@ -371,20 +394,39 @@ def _connect(address: str | None, cpus: float) -> bool:
             ray.init(address=address, **quiet)
         except (ConnectionError, RuntimeError, ValueError) as e:
             raise TqpipeError(f"Ray: cannot connect to cluster {address!r}: {first_line(e)}") from None
-        have = ray.cluster_resources().get("CPU", 0)
-        if have < cpus:
-            ray.shutdown()
-            raise TqpipeError(
-                f"Ray: cluster {address!r} has {have:g} CPUs, the job's workers need {cpus:g}; lower --workers"
-            )
         return True
+    gpus = local_gpus()
+    actors = workers or max(gpus, DEFAULT_CPU_WORKERS if not gpus else 0)
     ray.init(
-        num_cpus=max(1, int(-(-cpus // 1))),
+        num_cpus=max(1, int(-(-(actors * cpus_per_worker) // 1))),
+        num_gpus=gpus,
         include_dashboard=False,
         object_store_memory=_LOCAL_OBJECT_STORE_BYTES,
         **quiet,
     )
     return True
+
+
+def _plan(address: str | None, workers: int | None, gpus_per_worker: float | None, cpus_per_worker: float) -> Any:
+    """The actor plan for the connected cluster's GPUs; stops early (and
+    disconnects) when its CPUs cannot hold the actors."""
+    import ray
+
+    from pipeline.errors import TqpipeError
+    from pipeline.run.ray_resources import plan_actors
+
+    have = ray.cluster_resources()
+    try:
+        plan = plan_actors(have.get("GPU", 0), workers, gpus_per_worker, cpus_per_worker)
+    except ValueError as e:
+        raise TqpipeError(f"Ray: cluster {address or 'local'}: {e}") from None
+    cpus = plan.workers * cpus_per_worker
+    if have.get("CPU", 0) < cpus:
+        raise TqpipeError(
+            f"Ray: cluster {address or 'local'!r} has {have.get('CPU', 0):g} CPUs, the job's workers need "
+            f"{cpus:g} ({plan.describe()}); lower --workers"
+        )
+    return plan
 
 
 def _release(dispatcher: Dispatcher | None, started: bool) -> None:

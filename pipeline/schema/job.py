@@ -159,11 +159,17 @@ class ContextSpec(_Spec):
 
 
 class EngineSpec(_Spec):
-    """Where documents run: locally, or on Ray with these workers and retry bounds."""
+    """Where documents run: locally, or on Ray with these workers and retry bounds.
+
+    ``workers`` None: one actor per GPU of the cluster (2 CPU actors where it
+    has none); ``gpus_per_worker`` None: 1 where there are GPUs, 0 forces CPU
+    actors (``pipeline.run.ray_resources``).
+    """
 
     kind: Literal["local", "ray"] = Field("local", description="local, or ray (a cluster, see docs/ray.md)")
     address: str | None = Field(None, description="ray: cluster address ('auto', 'ray://host:10001'); unset = local Ray")
-    workers: int = Field(2, ge=1, description="ray: worker actors, one model each")
+    workers: int | None = Field(None, ge=1, description="ray: worker actors, one model each; unset = one per GPU (2 CPU actors without GPUs)")
+    gpus_per_worker: float | None = Field(None, ge=0, description="ray: GPUs per actor; unset = 1 where the cluster has GPUs, 0 forces CPU actors")
     max_retries: int = Field(2, ge=0, description="ray: retries of a document whose worker died")
     max_in_flight_per_worker: int = Field(2, ge=1, description="ray: documents queued per worker")
 

@@ -8,7 +8,7 @@ from click.testing import CliRunner
 from fixtures_models import *  # noqa: F403
 
 from pipeline.cli import main
-from pipeline.inference.kv_size import KVGeometry, cache_nbytes_formula, describe, exact_after_prefill
+from pipeline.inference.kv_size import KVGeometry, cache_nbytes_formula, describe
 from pipeline.inputs.job_file import load_job
 from pipeline.models.load import read_config
 
@@ -38,15 +38,6 @@ def test_geometry_from_config_and_fp16_bytes():
     assert KVGeometry.from_config({}) is None
 
 
-def test_exact_window_after_prefill():
-    assert exact_after_prefill(275, 128, 512) == 275  # one chunk: nothing packed yet
-    assert exact_after_prefill(1000, 128, 512) == 128 + 488
-    assert exact_after_prefill(600, 128, 512) == 128 + 88
-    assert exact_after_prefill(160, 128, 64) == 128 + 32  # nothing beyond the window before the last chunk
-    assert exact_after_prefill(150, 128, 64) == 128 + 22  # 0 beyond: 128 kept, then 22
-    assert exact_after_prefill(200, 128, 64) == 128 + 8  # 64 beyond the window (>= window // 2) get packed
-
-
 @pytest.mark.parametrize("scheme", ["turboquant", "fp16", "affine"])
 def test_records_carry_fp16_bytes_and_the_formula_matches_them(tmp_path, tiny_vlm_dir, scheme):
     bits = {"turboquant": 3.5, "fp16": 16, "affine": 4}[scheme]
@@ -56,13 +47,13 @@ def test_records_carry_fp16_bytes_and_the_formula_matches_them(tmp_path, tiny_vl
     assert cache["tokens"] == n > 64 and cache["fp16_nbytes"] == geom.fp16_nbytes(n)
     assert cache["vs_fp16"] == pytest.approx(cache["nbytes_after_prefill"] / cache["fp16_nbytes"], abs=1e-4)
     assert cache["fp16_nbytes_end_of_task"] == geom.fp16_nbytes(cache["tokens_end_of_task"])
-    predicted = cache_nbytes_formula(geom, spec, n, exact_bytes=4, after_prefill=True)  # float32 on CPU
+    predicted = cache_nbytes_formula(geom, spec, n, exact_bytes=4)  # float32 on CPU
     if scheme == "turboquant":  # counts the bytes holding tokens
         assert cache["nbytes_after_prefill"] == predicted
     else:  # mlx-lm's caches grow in steps of 256 tokens; their nbytes includes that slack
         assert predicted <= cache["nbytes_after_prefill"] <= predicted * (n + 256) / n
     if scheme == "turboquant":
-        assert cache["exact_tokens"] == exact_after_prefill(n, spec.window, spec.prefill_chunk)
+        assert cache["exact_tokens"] == min(n, spec.window)  # settled before the first task
         assert "still exact" in describe(cache) and "fp16" in describe(cache)
         dry = CliRunner().invoke(main, ["run", str(tmp_path / "job.yaml"), "--dry-run"])
         mib = lambda b: f"{b / 2**20:.1f}MiB"  # noqa: E731
