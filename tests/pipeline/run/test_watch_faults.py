@@ -12,7 +12,7 @@ from fixtures_models import *  # noqa: F403
 from pipeline.cli import main
 from pipeline.inputs.job_file import load_job
 from pipeline.inputs.samples import make_text_pdf
-from pipeline.run.watch import InboxWatcher, open_for_writing_elsewhere
+from pipeline.run.watch import InboxWatcher
 
 
 def lines(path: Path) -> list[dict]:
@@ -45,6 +45,8 @@ def test_empty_inputs_and_an_inbox_relative_to_the_current_folder(tmp_path, tiny
 
 
 def test_a_file_still_open_for_writing_waits_past_the_settle_time(tmp_path):
+    from pipeline.run.watch import open_for_writing_elsewhere
+
     inbox = tmp_path / "inbox"
     inbox.mkdir()
     w = InboxWatcher(inbox, tmp_path / "ledger.jsonl", settle_seconds=0.1, poll_seconds=0.05)
