@@ -40,7 +40,7 @@ import click
 
 import pipeline  # noqa: F401  (fast CPU BLAS before anything imports mlx.core)
 
-from pipeline.errors import JobFileError, LockHeldError, PageRangeError, RunError, TqpipeError
+from pipeline.errors import JobFileError, LockHeldError, PageRangeError, TqpipeError
 from pipeline.schema.paths import shown
 
 if TYPE_CHECKING:
@@ -256,7 +256,7 @@ def _run_loaded(job: Job, job_file: str, *, dry_run: bool, retry_failed: bool, e
 @main.command(epilog=EXIT_CODES_HELP)
 @click.argument("inbox", type=click.Path(file_okay=False))
 @click.option("--job", "job_file", required=True, type=click.Path(dir_okay=False), help="Job file whose model, tasks and output to use.")
-@click.option("--settle", default=2.0, show_default=True, help="Seconds a file's size must stay unchanged before it is read.")
+@click.option("--settle", default=2.0, show_default=True, help="Seconds a file's size and mtime must stay unchanged before it is read.")
 @click.option("--poll", default=1.0, show_default=True, help="Seconds between inbox scans.")
 @click.option("--pages", help="Page ranges, overriding the job's context.pages.")
 @click.option("--max-polls", type=int, default=None, help="Stop after this many scans (default: run until interrupted).")
@@ -265,7 +265,9 @@ def watch(inbox: str, job_file: str, settle: float, poll: float, pages: str | No
           verbose: bool) -> None:
     """Process each new file (or image folder) dropped into INBOX, exactly once.
 
-    A file is read once its size has stopped changing for --settle seconds.
+    A file is read once its size and mtime have stopped changing for
+    --settle seconds and (Linux) no process holds it open for writing.  A
+    relative INBOX is relative to the current folder.
     Results are appended to the job's output; a ledger next to it
     (<output>.inbox.jsonl) remembers handled files across restarts.  The
     job's own ``inputs:`` may match nothing: the documents come from INBOX.

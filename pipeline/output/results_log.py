@@ -308,7 +308,8 @@ class ResultLog:
         try:
             line = dumps_line(record)
         except (TypeError, orjson.JSONEncodeError) as e:
-            raise CheckpointError(f"{self.path}: record {key} cannot be serialized: {e}") from e
+            raise CheckpointError(
+                f"{self.path}: record {key} of {shown(record.get('source', '?'))} cannot be serialized: {e}") from e
         fd = self._fd
         before = os.fstat(fd).st_size
         try:

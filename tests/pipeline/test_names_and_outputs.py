@@ -14,7 +14,6 @@ from fixtures_models import *  # noqa: F403
 
 from pipeline.cli import main
 from pipeline.inputs.samples import make_corrupt_pdf, make_text_pdf
-from pipeline.schema.paths import path_from_b64, shown
 
 BAD = os.fsdecode(b"caf\xe9 scan.pdf")  # Latin-1 bytes, as from an old zip or SMB share
 NEWLINE = "two\nlines.pdf"
@@ -55,6 +54,8 @@ def docs_with_bad_names(tmp_path: Path) -> Path:
 
 
 def test_undecodable_names_never_stop_the_run_and_records_keep_the_bytes(tmp_path, tiny_vlm_dir, caplog):
+    from pipeline.schema.paths import path_from_b64
+
     docs_with_bad_names(tmp_path)
     job = make_job(tmp_path, tiny_vlm_dir)
     with caplog.at_level(logging.INFO):
@@ -79,6 +80,8 @@ def test_undecodable_names_never_stop_the_run_and_records_keep_the_bytes(tmp_pat
 
 
 def test_shown_quotes_only_odd_names():
+    from pipeline.schema.paths import shown
+
     assert shown("/data/report.pdf") == "/data/report.pdf"
     assert shown(NEWLINE) == "'two\\nlines.pdf'"
     assert shown(BAD) == "'caf\\xe9 scan.pdf'"

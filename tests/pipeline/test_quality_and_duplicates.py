@@ -14,9 +14,7 @@ from pipeline.cli import main
 from pipeline.inference.engines import Engines
 from pipeline.inputs.job_file import load_job
 from pipeline.inputs.samples import make_text_pdf
-from pipeline.models.load import has_random_weights
 from pipeline.run.runner import run_job
-from pipeline.schema.record import WARNING_CODES, add_warning
 
 
 def make_job(tmp_path: Path, model: Path, *, extra: str = "", context: str = "", json_task: bool = True) -> Path:
@@ -42,6 +40,8 @@ def lines(path: Path) -> list[dict]:
 
 
 def test_warnings_api_rejects_unknown_codes():
+    from pipeline.schema.record import WARNING_CODES, add_warning
+
     assert add_warning(add_warning([], "truncated"), "truncated") == ["truncated"]
     with pytest.raises(ValueError, match="unknown warning code"):
         add_warning([], "made_up")
@@ -88,6 +88,8 @@ def test_readme_pages_example_works_on_short_documents(tmp_path, tiny_vlm_dir):
 
 
 def test_random_weights_come_from_the_build_marker(tmp_path, tiny_vlm_dir):
+    from pipeline.models.load import has_random_weights
+
     assert has_random_weights(tiny_vlm_dir)
     other = tmp_path / "model"
     shutil.copytree(tiny_vlm_dir, other, ignore=shutil.ignore_patterns(".tqpipe-model.json"))

@@ -12,7 +12,7 @@ from fixtures_models import *  # noqa: F403
 from pipeline.cli import main
 from pipeline.inputs.job_file import load_job
 from pipeline.inputs.samples import make_text_pdf
-from pipeline.run.watch import InboxWatcher, open_for_writing_elsewhere
+from pipeline.run.watch import InboxWatcher
 
 
 def lines(path: Path) -> list[dict]:
@@ -45,6 +45,8 @@ def test_empty_inputs_and_an_inbox_relative_to_the_current_folder(tmp_path, tiny
 
 
 def test_a_file_still_open_for_writing_waits_past_the_settle_time(tmp_path):
+    from pipeline.run.watch import open_for_writing_elsewhere
+
     inbox = tmp_path / "inbox"
     inbox.mkdir()
     w = InboxWatcher(inbox, tmp_path / "ledger.jsonl", settle_seconds=0.1, poll_seconds=0.05)
@@ -86,3 +88,19 @@ def test_a_file_that_changes_after_a_failure_is_retried(tmp_path):
     w.run(handle, max_iterations=8)
     assert seen == [b"%PDF half-copied", b"%PDF half-copied, and the rest"]
     assert [e["status"] for e in lines(tmp_path / "ledger.jsonl")] == ["failed", "ok"]
+
+
+def test_a_copy_dropped_later_gets_its_own_records(tmp_path, tiny_vlm_dir):
+    job = job_with_no_inputs(tmp_path / "jobs", tiny_vlm_dir)
+    inbox = tmp_path / "inbox"
+    inbox.mkdir()
+    make_text_pdf(inbox / "a.pdf", ["Dropped first."])
+    args = ["watch", str(inbox), "--job", str(job), "--settle", "0", "--poll", "0.05", "--max-polls", "3"]
+    assert CliRunner().invoke(main, args).exit_code == 0
+    (inbox / "b.pdf").write_bytes((inbox / "a.pdf").read_bytes())  # the same scan, sent again
+    assert CliRunner().invoke(main, args).exit_code == 0
+    recs = lines(tmp_path / "jobs" / "out" / "results.jsonl")
+    assert [(Path(x["source"]).name, x.get("same_content_as")) for x in recs] == [
+        ("a.pdf", None), ("b.pdf", "../inbox/a.pdf")]
+    ledger = [(e["path"], e["status"]) for e in lines(tmp_path / "jobs" / "out" / "results.jsonl.inbox.jsonl")]
+    assert ledger == [("a.pdf", "ok"), ("b.pdf", "duplicate")]
