@@ -42,6 +42,7 @@ class Document:
     pages: list[Page]  # selected pages that were read successfully
     skipped_pages: list[dict] = field(default_factory=list)  # {"page": n, "error": "..."}
     notes: list[str] = field(default_factory=list)
+    pages_clipped: str | None = None  # what of context.pages lay past the end, if anything
 
     def text(self, markers: bool = True) -> str:
         """All page texts, each after a ``[Page N]`` marker (numbers from the original file)."""

@@ -35,7 +35,8 @@ def models_home() -> Path:
     return base / "models"
 
 
-def _read_marker(path: Path) -> dict | None:
+def read_marker(path: Path) -> dict | None:
+    """The build marker of ``path`` (``{"stamp": ..., "files": ...}``), None if absent or unreadable."""
     try:
         return json.loads((path / MARKER).read_text())
     except (OSError, ValueError):
@@ -44,7 +45,7 @@ def _read_marker(path: Path) -> dict | None:
 
 def is_valid(path: Path, stamp: dict[str, Any]) -> bool:
     """True if ``path`` holds a complete build whose marker matches ``stamp``."""
-    marker = _read_marker(path)
+    marker = read_marker(path)
     if marker is None or marker.get("stamp") != stamp:
         return False
     files = marker.get("files")

@@ -35,6 +35,7 @@ from typing import Any
 import orjson
 
 from pipeline.errors import CheckpointError
+from pipeline.schema.paths import json_safe
 from pipeline.schema.record import json_default
 
 logger = logging.getLogger(__name__)
@@ -45,8 +46,13 @@ _TAIL_BLOCK = 1 << 16
 
 def dumps_line(record: dict) -> bytes:
     """One record as one JSON line.  orjson escapes newlines inside strings,
-    so the only b"\\n" is the terminator."""
-    return orjson.dumps(record, default=json_default, option=_DUMP_OPTIONS) + b"\n"
+    so the only b"\\n" is the terminator.  A string that is not valid UTF-8
+    (an undecodable file name inside a message) is written with ``\\xNN``
+    escapes rather than failing the record (:mod:`pipeline.schema.paths`)."""
+    try:
+        return orjson.dumps(record, default=json_default, option=_DUMP_OPTIONS) + b"\n"
+    except orjson.JSONEncodeError:
+        return orjson.dumps(json_safe(record), default=json_default, option=_DUMP_OPTIONS) + b"\n"
 
 
 def _fsync_dir(path: Path) -> None:

@@ -78,7 +78,7 @@ def process_document(
         for result in engine.iter_process(prompt, tasks, on_prefill=on_prefill, on_token=on_token):
             task = pending.pop(0)
             yield ok_record(job, ref, digest, task, keys[task.name], result, prompt, doc, model_name, loaded.config,
-                            ingest_s)
+                            ingest_s, random_weights=getattr(loaded, "random_weights", False))
             stage = "decode"
     except (KeyboardInterrupt, SystemExit):
         raise

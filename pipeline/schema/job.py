@@ -149,13 +149,18 @@ class JobSpec(_Spec):
     """A whole job file as validated; the root of every key ``load_job`` reports."""
 
     name: str = Field(min_length=1)
-    inputs: list[str | ImageSetInput] = Field(min_length=1)
+    # May be empty for ``tqpipe watch`` (documents come from the inbox);
+    # ``load_job`` rejects an empty list for every other command.
+    inputs: list[str | ImageSetInput] = Field(default_factory=list)
     model: ModelSpec = ModelSpec()
     cache: CacheSpec = CacheSpec()
     context: ContextSpec = ContextSpec()
     tasks: list[TaskSpec] = Field(min_length=1)
     output: str = Field(min_length=1)
     engine: EngineSpec = EngineSpec()
+    # true: records with quality warnings (WARNING_CODES) count as failures for
+    # the exit code of run and status.  Not in the config hash: it changes no output.
+    strict: bool = False
 
     @field_validator("tasks")
     @classmethod
