@@ -109,7 +109,9 @@ class ContextSpec(_Spec):
 
     max_tokens: int = Field(8192, gt=0)
     overflow: Literal["error", "truncate"] = "truncate"
-    images: Literal["auto", "always", "never"] = "auto"
+    # auto: scanned pages as images to a VLM, as OCR'd text to a text-only model;
+    # ocr: always OCR'd text; always: every page as an image; never: text layer only.
+    images: Literal["auto", "ocr", "always", "never"] = "auto"
     dpi: int = Field(72, ge=18, le=600)
     pages: str | None = None
     page_retries: int = Field(1, ge=0)
