@@ -22,6 +22,7 @@ def result():
     return lines, json.loads(lines[-1])
 
 
+@pytest.mark.slow
 def test_json_last_line_has_required_fields(result):
     lines, r = result
     assert any("Decode attention" in line for line in lines)
