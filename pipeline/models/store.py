@@ -69,6 +69,17 @@ def _write_marker(path: Path, stamp: dict[str, Any]) -> None:
     (path / MARKER).write_text(json.dumps({"stamp": stamp, "files": files}, indent=1))
 
 
+def _remove_leftovers(target: Path) -> None:
+    """Delete build and stale folders a killed builder left next to ``target``.
+
+    Only called under the build lock, and every builder holds that lock for
+    as long as its folders exist, so whatever is there now is orphaned.
+    """
+    for pattern in (f".{target.name}.build-*", f".{target.name}.stale-*"):
+        for leftover in target.parent.glob(pattern):
+            shutil.rmtree(leftover, ignore_errors=True)
+
+
 def cached_build(
     target: Path, stamp: dict[str, Any], build: Callable[[Path], None]
 ) -> Path:
@@ -84,6 +95,7 @@ def cached_build(
     with FileLock(str(target.parent / f".{target.name}.lock")):
         if is_valid(target, stamp):  # another process built it while we waited
             return target
+        _remove_leftovers(target)
         tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.build-", dir=target.parent))
         try:
             os.chmod(tmp, 0o755)  # mkdtemp makes it private; others read the cache

@@ -14,7 +14,7 @@ from __future__ import annotations
 from os import PathLike
 from typing import Any, Iterable, Iterator, Literal
 
-from pipeline.inference.extract import check_citations, cited_pages, missing_fields, pages_in_text, parse_json_output
+from pipeline.inference.extract import check_citations, cited_pages, missing_fields, pages_in_text, parse_or_repair
 from pipeline.inference.memory import memory_record
 from pipeline.inference.prompt import DocumentPrompt, model_context_limit
 from pipeline.inputs.discover import DocumentRef
@@ -36,11 +36,13 @@ def _base(job: Job, ref: DocumentRef, digest: str, task: str, key: str) -> dict:
 
 
 def quality_warnings(task: TaskSpec, prompt: DocumentPrompt, doc: Document | None, *, parse_error: str | None,
-                     random_weights: bool) -> list[str]:
+                     random_weights: bool, json_repaired: bool = False) -> list[str]:
     """The ``warnings`` of an answered task (codes in :data:`~pipeline.schema.record.WARNING_CODES`)."""
     warnings: list[str] = []
     if task.format == "json" and parse_error:
         add_warning(warnings, "json_parse_failed")
+    if task.format == "json" and json_repaired:
+        add_warning(warnings, "json_repaired")
     if prompt.truncation.get("truncated"):
         add_warning(warnings, "truncated")
     if prompt.skipped_pages or (doc is not None and doc.skipped_pages):
@@ -105,10 +107,11 @@ def ok_record(
     parsed = parse_error = None
     extra: dict = {"finish_reason": result.finish_reason, "memory": memory_record()}
     if task.format == "json":
-        p = parse_json_output(result.text)
+        p = parse_or_repair(result.text)
         parsed, parse_error = p.value, p.error
         if parse_error and result.finish_reason == "length":
             parse_error += f" (the answer hit max_tokens={task.max_tokens} and may be cut off)"
+        extra["json"] = json_field(p, getattr(result, "constrained", False))
         if p.ok:
             extra["missing_fields"] = missing_fields(p.value, task.fields)
             extra["citations"] = check_citations(cited_pages(p.value), prompt.included_pages)
@@ -128,9 +131,36 @@ def ok_record(
         model=model_name,
         context=context_field(job, prompt, doc, config),
         pages=prompt.pages_record(),
-        warnings=quality_warnings(task, prompt, doc, parse_error=parse_error, random_weights=random_weights),
+        warnings=quality_warnings(task, prompt, doc, parse_error=parse_error, random_weights=random_weights,
+                                  json_repaired=extra.get("json", {}).get("status") == "repaired"),
         **extra,
     )
+
+
+def json_field(parsed: Any, constrained: bool) -> dict:
+    """The ``json`` field of a JSON task's record: how the answer was decoded
+    (``constrained`` or ``free``) and how it parsed (``valid``, ``repaired``
+    by json-repair, or ``invalid``: then ``parse_error`` says why)."""
+    status = "invalid" if not parsed.ok else "repaired" if parsed.repaired else "valid"
+    out = {"decoding": "constrained" if constrained else "free", "status": status}
+    if parsed.repaired:
+        out["repaired"] = parsed.repaired  # what was wrong with the text as written
+    return out
+
+
+def same_content_record(original: dict, job: Job, ref: DocumentRef, key: str) -> dict:
+    """The record of ``ref`` whose bytes equal those of ``original``'s document:
+    ``original`` copied (answer, timings, status), under ``ref``'s name and
+    ``key``, with ``same_content_as`` naming the first document.  No second
+    prefill: the answer is the same by construction."""
+    record = {k: v for k, v in original.items() if k not in ("worker", "source_b64", "same_content_as")}
+    record.update(key=key, job=job.spec.name, doc_id=text_safe(ref.doc_id), source=path_text(ref.source),
+                  created_at=utc_now())
+    raw = path_b64(ref.source)
+    if raw is not None:
+        record["source_b64"] = raw
+    record["same_content_as"] = original["doc_id"]
+    return record
 
 
 def make_record(

@@ -38,6 +38,7 @@ RECORD_FIELDS = (
 #: field named here).  New codes are added here, nowhere else.
 WARNING_CODES: dict[str, str] = {
     "json_parse_failed": "a format: json task whose answer holds no JSON object (parse_error)",
+    "json_repaired": "a format: json answer that was not valid JSON as written; json-repair read it (json.repaired)",
     "truncated": "the document did not fit the context; trailing pages were dropped (context.truncated)",
     "pages_skipped": "pages that could not be read were left out (pages.skipped)",
     "pages_clipped": "the page selection reached past the document's end and was clipped (context.pages_clipped)",
@@ -53,12 +54,6 @@ def add_warning(warnings: list[str], code: str) -> list[str]:
         warnings.append(code)
     return warnings
 
-
-def counts_as_failed(record: dict, *, strict: bool) -> bool:
-    """Whether ``record`` counts as a failure for exit codes: an error, or,
-    under ``strict``, an ok record that carries warnings.  The one rule
-    shared by ``tqpipe run`` and ``tqpipe status``."""
-    return record.get("status") != "ok" or (strict and bool(record.get("warnings")))
 
 _CONFIG_HASH_CHARS = 16  # 64 bits: collisions between configs are not a concern
 
