@@ -208,8 +208,9 @@ def teacher_forced(model: Any, caches: list, first: mx.array, targets: mx.array)
 
 def kv_bytes(caches: list) -> int:
     """Bytes holding the cached tokens, not reserved capacity: ours'
-    ``used_nbytes``, mlx-vlm's ``nbytes`` (just the tokens held), and the
-    arrays of mlx-lm's ``state`` (sliced to the tokens held)."""
+    ``used_nbytes``, mlx-vlm's ``nbytes`` (just the tokens held), and for
+    mlx-lm's caches (allocated in 256-token steps) the per-token bytes of
+    their key/value arrays times the tokens held."""
     from mlx.utils import tree_flatten
 
     from turboquant.cache import TurboQuantKVCache
@@ -221,7 +222,8 @@ def kv_bytes(caches: list) -> int:
         elif type(c).__module__.startswith("mlx_vlm."):
             total += c.nbytes
         else:
-            total += sum(a.nbytes for _, a in tree_flatten(c.state) if isinstance(a, mx.array))
+            arrays = [a for _, a in tree_flatten((c.keys, c.values))]
+            total += sum(a.nbytes // a.shape[2] for a in arrays) * c.offset
     return int(total)
 
 
@@ -312,7 +314,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if set(schemes) - set(SCHEMES[1:]) or set(quantizers) - set(QUANTIZERS):
         p.error(f"--schemes from {', '.join(SCHEMES[1:])}; --quantizers from {', '.join(QUANTIZERS)}")
 
-    from pipeline.models import load_model
+    from pipeline.models.load import load_model
 
     t0 = time.perf_counter()
     loaded = load_model(None)

@@ -227,79 +227,6 @@ def test_generation_timing_chains_layers_and_tokens():
     assert xs == [0.0, 1.0, 3.0, 4.0, 5.0, 7.0, 8.0, 9.0, 11.0]
 
 
-def _stamp_table(start: int):
-    """A launch's stamp table as tq_decode_tc8_fused writes it with
-    TQ_TIMELINE: 2 threadgroups (a packed split, the window's, which merges
-    last), 1 warp, a 10 us span from ``start`` (ns); stamps in 32 bits."""
-    import numpy as np
-
-    at = lambda dt: (start + dt) % (1 << 32)  # noqa: E731
-    packed = [0, at(0), at(1000), at(9000), at(9500), 0, 0, 0, at(9000)] + [0] * 7
-    window = [1, at(0), at(1000), at(2000), at(3000), at(10000), 0, 0, at(2000)] + [0] * 7
-    return np.array(packed + window, np.uint32)
-
-
-def test_pipelined_timeline_separates_spans_from_gaps(capsys):
-    """``tg_timeline.py --pipelined`` must read each launch's span, the gaps
-    inside a token and before each token, and the device time per launch,
-    from the stamps alone: here a fake launch writes stamps of a 10 us span,
-    1 us apart inside a token and 5 us apart between tokens."""
-    import numpy as np
-
-    from benchmarks import tg_timeline
-
-    clock = {"t": 2_000_000_000, "n": 0}  # ns; the uint32 stamps travel as float32 bits
-    layers, tokens = 4, 3
-
-    def launch(x):
-        start = clock["t"]
-        clock["n"] += 1
-        clock["t"] = start + 10000 + (5000 if clock["n"] % layers == 0 else 1000)
-        return mx.array(_stamp_table(start).view(np.float32)), x + 1
-
-    assert tg_timeline.pipelined(launch, mx.array(0.0), slots=2, nw=1, resident=2, tokens=tokens,
-                                 layers=layers) == 0
-    out = capsys.readouterr().out
-    lines = {ln.split(":")[0].strip(): ln for ln in out.splitlines()}
-    assert "median 10.00" in lines["span per launch (us)"]
-    assert "median 1.00" in lines["gap inside a token (us)"] and "max 1.00" in lines["gap inside a token (us)"]
-    assert "median 5.00" in lines["gap before a token (us)"]
-    # 12 timed launches (after a warm-up token): 12 spans of 10 us and 11 gaps between them,
-    # 2 before tokens 2 and 3 (5 us) and 9 inside tokens (1 us)
-    assert f"device time per launch: {(120 + 9 + 10) / 12:.2f} us" in out
-
-
-def test_timeline_summary_survives_a_clock_wrap_inside_a_launch():
-    """The stamps are the device clock's low 32 bits, which wrap every 4.3 s:
-    a launch that straddles the wrap must still read as 10 us, not -4 s."""
-    from benchmarks import tg_timeline
-
-    # the wrap comes 4 us into the launch
-    s = tg_timeline.summarize(_stamp_table((1 << 32) - 4000), slots=2, nw=1, resident=2)
-    assert s["span"] == 10.0 and s["loop_med"] == 8.0 and s["tail"] == 0.5
-
-
-def test_submit_cost_times_a_dependent_chain_over_the_cache_copies():
-    """``submit_cost.py``: each call takes the previous call's output and
-    the next cache copy in turn, and the submission (``mx.async_eval``
-    returning) is reported as a part of the whole evaluation, per call."""
-    from benchmarks import submit_cost
-
-    seen = []
-
-    def step(x, cache):
-        seen.append((x, cache))
-        return x + cache
-
-    caches = [mx.array(1.0), mx.array(10.0), mx.array(100.0)]
-    batch, repeats = 4, 3
-    sub, total = submit_cost.chain_costs(step, mx.array(0.0), caches, batch, repeats=repeats)
-    assert 0 < sub <= total
-    assert len(seen) == batch * (1 + repeats)  # a warm-up chain, then one per repeat
-    assert [c for _, c in seen[:batch]] == [caches[i % 3] for i in range(batch)]
-    assert [x.item() for x, _ in seen[:batch]] == [0.0, 1.0, 11.0, 111.0]  # each call on the last's output
-
-
 # ------------------------------------------------------------ quality on real text
 def test_real_text_passages_come_from_the_stdlib_reference_manual():
     tok = CharTokenizer()
@@ -349,3 +276,4 @@ def test_quality_default_configs_cover_widths_windows_quantizers():
     assert {(c.window, c.quantizer) for c in full if c.scheme == "turboquant"} == {
         (0, "scalar"), (128, "scalar"), (0, "tcq"), (128, "tcq")}
     assert [c.bits for c in full if c.scheme == "affine"] == [4, 2]
+
