@@ -132,9 +132,12 @@ def test_evaluate_fp16_against_itself_and_quantized(tiny_lm):
         assert 1e-6 < r.kl < 10 and 0.0 <= r.top1 <= 1.0, label
         assert 0 < r.kv_bytes < ref.kv_bytes, label
     # same widths, same token count: ours at window 0 holds what mlx-vlm holds
-    # (+ centring means and the last token exact), not its reserved capacity
+    # (+ centring means, the last token and the attention sinks exact: float32
+    # keys and values of 2 layers x 1 kv head x 64 dims each), not its reserved capacity
+    from turboquant.policy import SINK_TOKENS
+
     ours, peer = res["ours 2.5, window 0"].kv_bytes, res["mlx-vlm 2.5"].kv_bytes
-    assert abs(ours - peer) / peer < 0.1
+    assert abs(ours - SINK_TOKENS * 2 * 64 * 2 * 4 - peer) / peer < 0.1
     assert "|" in needle.format_table(list(res.values()))
 
 
@@ -234,7 +237,7 @@ def test_real_text_passages_come_from_the_stdlib_reference_manual():
     assert [len(t) for t in texts] == [3000, 3000] and texts[0] != texts[1]
     from pydoc_data.topics import topics
 
-    assert tok.decode(texts[0]) == topics[quality.TOPICS[0]][:3000]
+    assert tok.decode(texts[0]) == "".join(chr(ord(c) % 128) for c in topics[quality.TOPICS[0]][:3000])
 
 
 def test_quality_scores_float32_against_itself_and_quantized(tiny_lm):
