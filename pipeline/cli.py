@@ -384,7 +384,7 @@ def validate(job_file: str) -> None:
     click.echo(f"  name:      {spec.name}")
     click.echo(f"  documents: {len(refs)} ({sum(r.kind == 'pdf' for r in refs)} PDF, {sum(r.kind == 'images' for r in refs)} image sets)")
     click.echo(f"  tasks:     {', '.join(t.name + (' (json)' if t.format == 'json' else '') for t in spec.tasks)}")
-    click.echo(f"  model:     {spec.model.path or 'built-in (SmolLM2-135M-Instruct for text, tiny Qwen2-VL for page images)'}")
+    click.echo(f"  model:     {spec.model.path or 'built-in (SmolLM2-135M-Instruct; scanned pages are read by OCR)'}")
     click.echo(f"  cache:     {cache.kv_quant_scheme}{bits}, prefill chunk {cache.prefill_chunk}")
     click.echo(f"  context:   max {spec.context.max_tokens} tokens, overflow {spec.context.overflow}, images {spec.context.images}"
                + (f", pages {spec.context.pages}" if spec.context.pages else ""))

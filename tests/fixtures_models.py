@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 import pipeline  # noqa: F401  (fast CPU BLAS before mlx.core)
-from pipeline.models.load import LoadedModel, builtin_text_model_dir, builtin_vlm_dir, load_model, models_home
+from pipeline.models.load import (BUILTIN_VLM, LoadedModel, builtin_text_model_dir, builtin_vlm_dir, load_model,
+                                  models_home)
 
 __all__ = ["tqpipe_models_home", "smollm2_dir", "tiny_vlm_dir", "smollm2_model", "tiny_vlm_model"]
 
@@ -27,7 +28,7 @@ _LOADED: dict[bool, LoadedModel] = {}
 
 def _load_builtin(needs_images: bool) -> LoadedModel:
     if needs_images not in _LOADED:
-        _LOADED[needs_images] = load_model(None, needs_images=needs_images)
+        _LOADED[needs_images] = load_model(BUILTIN_VLM if needs_images else None, needs_images=needs_images)
     return _LOADED[needs_images]
 
 
@@ -64,5 +65,5 @@ def smollm2_model(smollm2_dir: Path) -> LoadedModel:
 
 @pytest.fixture(scope="session")
 def tiny_vlm_model(tiny_vlm_dir: Path) -> LoadedModel:
-    """``load_model(None, needs_images=True)``: the tiny VLM.  Shared: do not mutate."""
+    """``load_model(BUILTIN_VLM, needs_images=True)``: the tiny VLM, by name.  Shared: do not mutate."""
     return _load_builtin(True)

@@ -1,9 +1,11 @@
-"""The engines of one job, loaded lazily: the named model, or up to two built-ins.
+"""The engine of one job, loaded lazily: the named model, or the built-in SmolLM2.
 
-When the job names no model, each document gets the built-in text model
-(SmolLM2) unless it has page images to read, in which case it gets the
-built-in VLM.  Each is loaded at most once per run and only when a document
-actually needs it, so a rerun with nothing to do loads no model.
+It is loaded at most once per run and only when a document actually needs
+it, so a rerun with nothing to do loads no model.  Before a document is read,
+:meth:`Engines.reads_images` says whether the model takes page images, which
+decides whether scanned pages are sent as images or OCR'd into text.  A model
+with random weights (the built-in tiny VLM, used only when named) is said so
+in the log once per run; each of its records carries the warning.
 """
 
 from __future__ import annotations
@@ -29,7 +31,27 @@ class Engines:
         self._loader = loader
         self._engines: dict[bool, Any] = {}
         self._errors: dict[bool, Exception] = {}
+        self._reads_images: bool | None = None
         self.loads = 0
+
+    def reads_images(self) -> bool:
+        """Whether the job's model takes page images, from its config (no weights are read).
+
+        A model that cannot be resolved counts as reading images, so pages
+        are not OCR'd for nothing: loading it fails next, with its own error.
+        """
+        if self._reads_images is None:
+            loaded = next(iter(self._engines.values()), None)
+            if loaded is not None:
+                self._reads_images = loaded.loaded.kind == "vlm"
+            else:
+                from pipeline.models.load import model_reads_images
+
+                try:
+                    self._reads_images = model_reads_images(self.job.spec.model.path)
+                except Exception:  # reported by get(), where the model is loaded
+                    return True
+        return self._reads_images
 
     def get(self, needs_images: bool) -> Any:
         """The engine for a document that does (or does not) carry page images."""
@@ -50,5 +72,9 @@ class Engines:
                 raise
             self.loads += 1
             logger.info("loaded model %s (%s)", loaded.name, loaded.kind)
+            if getattr(loaded, "random_weights", False):
+                logger.warning("model %s has seeded random weights: its answers are noise (every record is "
+                               "marked with the random_weights warning); name a trained model in model.path",
+                               loaded.name)
             self._engines[slot] = Engine(loaded, self.job.spec.cache)
         return self._engines[slot]

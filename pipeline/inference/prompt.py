@@ -59,6 +59,7 @@ class DocumentPrompt:
     skipped_pages: list[dict]
     image_spans: list[tuple[int, int, dict]] = field(default_factory=list)
     truncation: dict = field(default_factory=lambda: {"truncated": False})
+    page_via: dict[int, str] = field(default_factory=dict)  # included page -> "text" | "ocr" | "image"
 
     @property
     def n_tokens(self) -> int:
@@ -79,7 +80,15 @@ class DocumentPrompt:
             "included": self.included_pages,
             "skipped": self.skipped_pages,
             "token_offsets": {str(p): o for p, o in self.page_offsets.items()},
+            "via": {str(p): v for p, v in self.page_via.items()},
         }
+
+
+def _via(page: Any, has_image_tokens: bool) -> str:
+    """How a page went in: its image, its OCR'd text, or its text layer."""
+    if has_image_tokens:
+        return "image"
+    return "ocr" if getattr(page, "via", "text") == "ocr" else "text"
 
 
 def task_text(task: Any) -> str:
@@ -150,8 +159,7 @@ class PromptBuilder:
             if blind or context.images == "always":
                 raise ImagesNeedVLMError(
                     f"{source}: pages {_ranges(blind or image_pages)} are images but the model is text-only; "
-                    "set model.path to a vision-language model (or leave it unset so the built-in VLM is used), "
-                    "or set context.images: never"
+                    "set model.path to a vision-language model, or set context.images: ocr to read them as text"
                 )
 
         items: list[dict] = []
@@ -210,6 +218,7 @@ class PromptBuilder:
             }
             segments = kept
 
+        by_number = {p.number: p for p in document.pages}
         prefix_ids = list(head_ids)
         offsets: dict[int, int] = {}
         spans: list[tuple[int, int, dict]] = []
@@ -226,6 +235,7 @@ class PromptBuilder:
             skipped_pages=list(document.skipped_pages),
             image_spans=spans,
             truncation=truncation,
+            page_via={n: _via(by_number.get(n), bool(extra)) for n, _, extra in segments},
         )
 
 

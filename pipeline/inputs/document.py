@@ -11,7 +11,7 @@ fraction exceeds ``max_failed_page_fraction`` does the whole document fail.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Literal
 
 from pipeline.errors import IngestError, PageRangeError
 from pipeline.inputs.discover import DocumentRef
@@ -30,6 +30,27 @@ class Page:
     text: str
     image: "PIL.Image.Image | None"
     scanned: bool
+    via: Literal["text", "ocr", "image"] = "text"  # how the page enters the context (recorded per page)
+
+
+#: How a page without a text layer enters the context: its image, its OCR'd text, or not at all.
+ScannedRoute = Literal["image", "ocr", "none"]
+
+
+def scanned_route(images: str, model_reads_images: bool) -> ScannedRoute:
+    """The one place that decides what becomes of a scanned page or an image-set page.
+
+    ``images: ocr`` always reads the pixels into text; ``never`` leaves the
+    page empty; ``auto`` sends the image to a model that reads images (a
+    VLM) and OCRs it for a text-only model, so a text model still answers
+    from what is printed; ``always`` sends images (a text-only model then
+    fails with an error saying so).
+    """
+    if images == "never":
+        return "none"
+    if images == "ocr" or (images == "auto" and not model_reads_images):
+        return "ocr"
+    return "image"
 
 
 @dataclass

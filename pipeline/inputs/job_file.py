@@ -87,7 +87,7 @@ def _check_filesystem(job: Job, shown: str, *, check_inputs: bool = True) -> Non
     if out.is_dir():
         raise JobFileError(shown, "output", f"{job.spec.output!r} is a folder; give a .jsonl file path")
     mp = job.spec.model.path
-    if mp is not None:
+    if mp is not None and not mp.startswith("builtin:"):  # built-in names are checked when loaded
         local = job.resolve(mp)
         if local.exists():
             job.spec.model.path = str(local)

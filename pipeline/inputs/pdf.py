@@ -1,7 +1,10 @@
 """PDFs: the text of every selected page, and a rendered image where the job wants one.
 
 Images are rendered for pages that look scanned (``images: auto``), for every
-page (``always``) or for none (``never``).
+page (``always``) or for none (``never``).  A scanned page whose route is
+``ocr`` (:func:`~pipeline.inputs.document.scanned_route`) is rendered at
+:data:`~pipeline.inputs.ocr.OCR_DPI` and its OCR'd text replaces the (empty
+or stray) text layer.
 
 MuPDF repairs what it can and reports the rest as warnings rather than
 exceptions: a page whose content stream is garbage comes back as an empty
@@ -16,7 +19,8 @@ import threading
 
 from pipeline.errors import IngestError
 from pipeline.inputs.discover import DocumentRef
-from pipeline.inputs.document import Document, Page, read_pages
+from pipeline.inputs.document import Document, Page, ScannedRoute, read_pages
+from pipeline.inputs.ocr import OCR_DPI, ocr_image
 from pipeline.schema.job import ContextSpec
 from pipeline.schema.paths import is_text_name
 
@@ -29,15 +33,17 @@ SCANNED_MAX_CHARS = 25
 _MUPDF_LOCK = threading.RLock()
 
 
-def read_pdf(ref: DocumentRef, context: ContextSpec, digest: str) -> Document:
-    """Read the selected pages of a PDF; raises :class:`IngestError` when the file as a whole is unusable."""
+def read_pdf(ref: DocumentRef, context: ContextSpec, digest: str, route: ScannedRoute = "image") -> Document:
+    """Read the selected pages of a PDF; raises :class:`IngestError` when the file as a whole is unusable.
+
+    ``route`` says what becomes of a scanned page (image, OCR'd text, nothing)."""
     if ref.source.stat().st_size == 0:
         raise IngestError(ref.source, "zero-byte file (still being copied?)")
     with _MUPDF_LOCK:
-        return _read_pdf(ref, context, digest)
+        return _read_pdf(ref, context, digest, route)
 
 
-def _read_pdf(ref: DocumentRef, context: ContextSpec, digest: str) -> Document:
+def _read_pdf(ref: DocumentRef, context: ContextSpec, digest: str, route: ScannedRoute) -> Document:
     import pymupdf
 
     path = ref.source
@@ -54,10 +60,10 @@ def _read_pdf(ref: DocumentRef, context: ContextSpec, digest: str) -> Document:
         count = pdf.page_count
         if count == 0:
             raise IngestError(path, "empty PDF: it has 0 pages")
-        return read_pages(ref, digest, count, context, lambda n: _read_pdf_page(pdf, n, context))
+        return read_pages(ref, digest, count, context, lambda n: _read_pdf_page(pdf, n, context, route))
 
 
-def _read_pdf_page(pdf, number: int, context: ContextSpec) -> tuple[Page, list[str]]:
+def _read_pdf_page(pdf, number: int, context: ContextSpec, route: ScannedRoute) -> tuple[Page, list[str]]:
     """One page: text, scanned flag, and an image if the job wants one.
 
     Returns the page and notes; raises when MuPDF could not load the page's
@@ -73,8 +79,11 @@ def _read_pdf_page(pdf, number: int, context: ContextSpec) -> tuple[Page, list[s
         text = page.get_text()
         stripped = len(text.strip())
         scanned = stripped == 0 or (stripped < SCANNED_MAX_CHARS and bool(page.get_images(full=False)))
-        image = None
-        if context.images == "always" or (context.images == "auto" and scanned):
+        image, ocr_input = None, None
+        if scanned and route == "ocr":
+            pix = page.get_pixmap(dpi=max(context.dpi, OCR_DPI), alpha=False)
+            ocr_input = Image.frombytes("RGB", (pix.width, pix.height), pix.samples)
+        elif context.images == "always" or (scanned and route == "image"):
             pix = page.get_pixmap(dpi=context.dpi, alpha=False)
             image = Image.frombytes("RGB", (pix.width, pix.height), pix.samples)
         problems = pymupdf.TOOLS.mupdf_warnings(reset=True).strip()
@@ -83,6 +92,11 @@ def _read_pdf_page(pdf, number: int, context: ContextSpec) -> tuple[Page, list[s
         if stripped == 0:
             raise RuntimeError(f"MuPDF could not read the page content: {summary}")
         notes.append(f"page {number}: MuPDF reported problems, text may be incomplete: {summary}")
-    if scanned and image is None:
+    via = "image" if image is not None else "text"
+    if ocr_input is not None:
+        text, via = ocr_image(ocr_input), "ocr"
+        if not text:
+            notes.append(f"page {number}: looks scanned and OCR found no text on it")
+    elif scanned and image is None:
         notes.append(f"page {number}: looks scanned (no text layer) but images: never, so it is empty")
-    return Page(number=number, text=text, image=image, scanned=scanned), notes
+    return Page(number=number, text=text, image=image, scanned=scanned, via=via), notes

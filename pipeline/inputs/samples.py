@@ -45,6 +45,12 @@ SAMPLE_FACTS: dict[str, dict[str, str]] = {
         "date": "2024-05-21",
         "total": "$12,500",
     },
+    "harbour-log.pdf": {
+        "title": "Port Evra Harbour Log 2024",
+        "author": "Ines Duarte",
+        "date": "2025-01-10",
+        "total": "2,146 vessel calls",
+    },
     "scanned.pdf": {
         "title": "Delivery Note DN-7781",
         "author": "Northwind Freight",
@@ -109,6 +115,8 @@ def write_samples(dir: str | Path = "samples") -> list[Path]:
     """Write the sample set into ``dir``; return the document paths (PDFs, then the image folder).
 
     ``dir`` gets ``report.pdf``, ``invoice.pdf``, ``minutes.pdf`` (text PDFs),
+    ``harbour-log.pdf`` (:func:`make_harbour_log`: 62 pages, three of them
+    scanned, that fit the built-in model's 8k window in one context),
     ``scanned.pdf`` (image-only pages) and ``imageset/`` (three PNGs whose
     names need natural sorting: page1, page2, page10).
     """
@@ -117,6 +125,7 @@ def write_samples(dir: str | Path = "samples") -> list[Path]:
     written = []
     for name in ("report.pdf", "invoice.pdf", "minutes.pdf"):
         written.append(make_text_pdf(out / name, _PAGES[name], title=SAMPLE_FACTS[name]["title"]))
+    written.append(make_harbour_log(out / "harbour-log.pdf"))
     written.append(make_scanned_pdf(out / "scanned.pdf", _PAGES["scanned.pdf"]))
     written.append(make_image_set(out / "imageset", IMAGESET_PAGES))
     return written
@@ -134,14 +143,67 @@ def make_text_pdf(path: str | Path, pages: list[str], *, title: str = "", fontsi
 
 def make_scanned_pdf(path: str | Path, pages: list[str], *, dpi: int = 100) -> Path:
     """A PDF whose pages are only pictures of text (no text layer), like a scan."""
+    return make_mixed_pdf(path, [(text, True) for text in pages], dpi=dpi)
+
+
+def make_mixed_pdf(path: str | Path, pages: list[tuple[str, bool]], *, title: str = "", dpi: int = 100) -> Path:
+    """A PDF of ``(text, scanned)`` pages: a scanned page is only a picture of its text."""
     import pymupdf
 
     doc = pymupdf.open()
-    for text in pages:
+    for text, scanned in pages:
+        if not scanned:
+            _text_page(doc, text, 11)
+            continue
         pix = _render_text(text, dpi)
         page = doc.new_page(width=_A4[0], height=_A4[1])
         page.insert_image(page.rect, pixmap=pix)
-    return _save(doc, path, "")
+    return _save(doc, path, title)
+
+
+def make_harbour_log(path: str | Path) -> Path:
+    """A 62-page year of weekly harbour log entries with three scanned pages.
+
+    About 3,500 SmolLM2 tokens: a long context for the built-in model (its window is
+    8,192), short enough that the first run stays quick.  Numbers
+    come from a fixed seed, so the file is byte-identical on every run.
+    """
+    return make_mixed_pdf(path, harbour_log_pages(), title=SAMPLE_FACTS["harbour-log.pdf"]["title"])
+
+
+def harbour_log_pages() -> list[tuple[str, bool]]:
+    """The harbour log's pages as ``(text, scanned)``, in order."""
+    rng = random.Random(2024)
+    months = ("Jan", "Feb", "Mar", "Apr", "May", "Jun", "Jul", "Aug", "Sep", "Oct", "Nov", "Dec")
+    notes = ("dredging of berth 3 continued", "pilot boat Kestrel in maintenance", "fuel pier inspected",
+             "two cruise calls", "fog delayed departures", "new mooring lines fitted", "fishing fleet in port",
+             "crane 2 repaired", "quiet week", "school visit to the control tower")
+    pages = [
+        ("Port Evra Harbour Log 2024\n\nKept by Harbour Master Ines Duarte\nCompiled: 2025-01-10\n\n"
+         "Weekly entries for vessel calls, cargo and tides, with the storm report, the safety inspection "
+         "and the annual totals.", False),
+        ("Staff\n\nHarbour Master: Ines Duarte. Deputy: Rui Matos. Pilots: Ana Sousa, Joao Reis. "
+         "The control tower is staffed around the clock by six officers.", False),
+    ]
+    for week in range(1, 53):
+        month = months[min((week - 1) * 12 // 52, 11)]
+        pages.append((
+            f"Week {week} ({month} 2024)\n\nVessel calls: {rng.randint(31, 52)}. "
+            f"Cargo handled: {rng.randint(2200, 3900):,} t. Highest tide: {rng.randint(34, 46) / 10} m. "
+            f"Notes: {rng.choice(notes)}.", False))
+        if week == 11:
+            pages.append(("Storm report\n\nStorm Alva closed the port on 2024-03-14 for 38 hours. "
+                          "Berth 4 lost 60 m of fender. No injuries. Repair cost: EUR 214,000.", True))
+        if week == 30:
+            pages.append(("Safety inspection\n\nInspector: Carla Nunes, Maritime Authority.\n"
+                          "Date: 2024-07-29. Result: passed, with 2 minor findings.", True))
+        if week % 13 == 0:
+            pages.append((f"Quarter {week // 13} summary\n\nTraffic was steady. See the weekly entries "
+                          "for vessel calls and cargo.", False))
+    pages.append(("Annual totals 2024\n\nVessel calls: 2,146 vessel calls\nCargo handled: 161,400 t\n"
+                  "Port closed by storms: 38 hours", False))
+    pages.append(("Signed for the Port Authority\n\nInes Duarte, Harbour Master\n2025-01-10", True))
+    return pages
 
 
 def make_image_set(folder: str | Path, pages: dict[str, str], *, dpi: int = 72) -> Path:

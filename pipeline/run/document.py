@@ -58,7 +58,7 @@ def process_document(
     reset_peak_memory()
     t0 = time.perf_counter()
     try:
-        doc = ingest(ref, job.spec.context)
+        doc = ingest(ref, job.spec.context, model_reads_images=engines.reads_images())
     except (IngestError, OSError) as e:
         yield from error_records(job, ref, digest, names, keys, error_info(e, stage="ingest"))
         return  # an OSError here (EIO, vanished) is marked transient: a plain rerun retries it

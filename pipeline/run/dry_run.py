@@ -24,6 +24,18 @@ class Tokenizers:
     def __init__(self, job: Job):
         self.job = job
         self._builders: dict[bool, PromptBuilder] = {}
+        self._reads_images: bool | None = None
+
+    def reads_images(self) -> bool:
+        """As :meth:`pipeline.inference.engines.Engines.reads_images`: whether scanned pages go in as images."""
+        if self._reads_images is None:
+            from pipeline.models.load import model_reads_images
+
+            try:
+                self._reads_images = model_reads_images(self.job.spec.model.path)
+            except Exception:  # reported when the tokenizer is loaded
+                return True
+        return self._reads_images
 
     def get(self, images: bool) -> PromptBuilder:
         """The prompt builder for a document with (or without) page images, as :class:`Engines` would pick."""
@@ -38,10 +50,10 @@ def tokenizer_only(path: str | None, images: bool) -> PromptBuilder:
     """A prompt builder from the model folder's tokenizer (and processor) files, no weights."""
     import importlib
 
-    from pipeline.models.load import (builtin_text_model_dir, builtin_vlm_dir, is_vlm_config, read_config,
-                                      require_mlx_vlm, resolve_model_dir)
+    from pipeline.models.load import (builtin_text_model_dir, is_vlm_config, read_config, require_mlx_vlm,
+                                      resolve_model_dir)
 
-    model_dir = (builtin_vlm_dir() if images else builtin_text_model_dir()) if path is None else resolve_model_dir(path)
+    model_dir = builtin_text_model_dir() if path is None else resolve_model_dir(path)
     config = read_config(model_dir)
     if is_vlm_config(config):
         require_mlx_vlm(f"model {path!r}")
@@ -62,7 +74,7 @@ def dry_run_document(tokenizers: Tokenizers, job: Job, ref: DocumentRef) -> dict
     """Ingest and tokenize one document; say whether it fits the context limit."""
     row: dict = {"doc_id": shown(ref.doc_id), "source": shown(ref.source)}
     try:
-        doc = ingest(ref, job.spec.context)
+        doc = ingest(ref, job.spec.context, model_reads_images=tokenizers.reads_images())
     except (IngestError, OSError) as e:
         return {**row, "error": str(e)}
     row.update(pages=len(doc.pages), page_count=doc.page_count, skipped_pages=len(doc.skipped_pages),

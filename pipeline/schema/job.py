@@ -136,8 +136,9 @@ class ContextSpec(_Spec):
     max_tokens: int = Field(8192, gt=0, description="document context limit in tokens (capped at the model's own)")
     overflow: Literal["error", "truncate"] = Field(
         "truncate", description="a document over max_tokens: truncated (stated in the record) or an error record")
-    images: Literal["auto", "always", "never"] = Field(
-        "auto", description="page images: auto = only pages without a text layer")
+    images: Literal["auto", "ocr", "always", "never"] = Field(
+        "auto", description="pages without a text layer: auto = images to a VLM, OCR'd text to a text-only model; "
+        "ocr = always OCR'd text; always = every page as an image; never = text layer only")
     dpi: int = Field(72, ge=18, le=600, description="resolution of rendered page images")
     pages: str | None = Field(None, description="page ranges, e.g. '1-20,35,-5' (-1 = last page)")
     page_retries: int = Field(1, ge=0, description="retries of a page that fails to extract before it is skipped")

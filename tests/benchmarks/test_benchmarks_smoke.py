@@ -19,6 +19,7 @@ TINY_MEMORY = dict(memory.KV_HEAVY_LLAMA, hidden_size=64, intermediate_size=128,
 
 
 # ------------------------------------------------------------------ memory
+@pytest.mark.slow
 def test_memory_workers_measure_their_own_process():
     opts = dict(tokens=600, chunk=256, decode=4, model_args=TINY_MEMORY)
     full = memory.measure_in_subprocess("fp16", **opts)

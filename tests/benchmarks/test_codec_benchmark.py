@@ -22,6 +22,7 @@ def result():
     return lines, json.loads(lines[-1])
 
 
+@pytest.mark.slow
 def test_json_last_line_has_required_fields(result):
     lines, r = result
     assert any("Decode attention" in line for line in lines)
@@ -33,6 +34,7 @@ def test_json_last_line_has_required_fields(result):
         assert row["decode_ratio_vs_fp16"] > 0
 
 
+@pytest.mark.slow  # the module's bench run (result) takes ~60 s on 2 cores
 def test_bytes_match_layout_and_peer(result):
     _, r = result
     st = r["storage_bytes_per_token_per_kv_head"]
@@ -45,12 +47,14 @@ def test_bytes_match_layout_and_peer(result):
     assert st["affine4"] == 144 and st["affine8"] == 272
 
 
+@pytest.mark.slow  # the module's bench run (result) takes ~60 s on 2 cores
 def test_mse_near_lloyd_max_above_bound(result):
     _, r = result
     for b, row in r["unit_mse"].items():
         assert row["lower_bound"] < row["lsq"] < 1.05 * row["lloyd_max"], b
 
 
+@pytest.mark.slow  # the module's bench run (result) takes ~60 s on 2 cores
 def test_quality_ordering(result):
     _, r = result
     for kind in ("gaussian", "outlier"):
@@ -84,6 +88,7 @@ def test_make_data_outlier_has_structure():
         bench.make_data("nope", 8, 1, 0)
 
 
+@pytest.mark.slow  # the module's bench run (result) takes ~60 s on 2 cores
 def test_tcq_rows_same_bytes_and_lower_error(result):
     _, r = result
     st = r["storage_bytes_per_token_per_kv_head"]

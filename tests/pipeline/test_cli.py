@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import orjson
+import pytest
 from click.testing import CliRunner
 from fixtures_models import *  # noqa: F403
 
@@ -128,6 +129,7 @@ def test_watch_processes_a_dropped_file_once(tmp_path, tiny_vlm_dir):
     assert r.exit_code == 0 and len(lines(tmp_path / "out" / "results.jsonl")) == 2
 
 
+@pytest.mark.slow
 def test_kill_9_mid_run_then_resume_every_record_exactly_once(tmp_path, tiny_vlm_dir):
     docs, tasks = 4, 3
     job = make_job(tmp_path, tiny_vlm_dir, docs=docs, tasks=tasks, max_tokens=16)

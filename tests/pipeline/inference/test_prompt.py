@@ -12,6 +12,7 @@ from pipeline.errors import ContextOverflowError
 from pipeline.inference.prompt import ImagesNeedVLMError, PromptBuilder, task_text
 from pipeline.inputs.discover import DocumentRef
 from pipeline.inputs.document import Document, Page
+from pipeline.models.load import BUILTIN_VLM
 from pipeline.run.dry_run import tokenizer_only
 from pipeline.schema.job import ContextSpec, TaskSpec
 
@@ -41,7 +42,7 @@ def text_builder(smollm2_dir) -> PromptBuilder:
 
 @pytest.fixture(scope="module")
 def vlm_builder(tiny_vlm_dir) -> PromptBuilder:
-    return tokenizer_only(None, images=True)
+    return tokenizer_only(BUILTIN_VLM, images=True)
 
 
 def test_prefix_plus_suffix_is_the_chat_template_render(text_builder):

@@ -158,7 +158,7 @@ def test_broken_page_is_skipped_with_a_note(tmp_path, monkeypatch):
     path = make_broken_page_pdf(tmp_path / "b.pdf", pages=5, broken=(3,))
     calls = []
     real = pdf_mod._read_pdf_page
-    monkeypatch.setattr(pdf_mod, "_read_pdf_page", lambda pdf, n, c: calls.append(n) or real(pdf, n, c))
+    monkeypatch.setattr(pdf_mod, "_read_pdf_page", lambda pdf, n, c, *route: calls.append(n) or real(pdf, n, c, *route))
     doc = ingest(pdf_ref(path), ContextSpec(page_retries=2))  # 1 of 5 failed = 0.2 <= 0.25
     assert [p.number for p in doc.pages] == [1, 2, 4, 5]
     assert doc.pages[2].text.startswith("Page 4: intact")
@@ -185,11 +185,11 @@ def test_transient_page_failure_recovers_on_retry(samples, monkeypatch):
     real = pdf_mod._read_pdf_page
     failures = {2: 1}  # page 2 fails once, then reads fine
 
-    def flaky(pdf, n, context):
+    def flaky(pdf, n, context, *route):
         if failures.get(n):
             failures[n] -= 1
             raise MemoryError("simulated")
-        return real(pdf, n, context)
+        return real(pdf, n, context, *route)
 
     monkeypatch.setattr(pdf_mod, "_read_pdf_page", flaky)
     doc = ingest(pdf_ref(samples / "report.pdf"), ContextSpec(page_retries=1))

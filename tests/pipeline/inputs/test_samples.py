@@ -25,7 +25,8 @@ def tree_bytes(d: Path) -> dict[str, bytes]:
 
 def test_write_samples_layout(tmp_path):
     paths = write_samples(tmp_path)
-    assert [p.name for p in paths] == ["report.pdf", "invoice.pdf", "minutes.pdf", "scanned.pdf", "imageset"]
+    assert [p.name for p in paths] == ["report.pdf", "invoice.pdf", "minutes.pdf", "harbour-log.pdf", "scanned.pdf",
+                                       "imageset"]
     assert all(p.exists() for p in paths)
     assert sorted(p.name for p in (tmp_path / "imageset").iterdir()) == sorted(IMAGESET_PAGES)
     assert set(SAMPLE_FACTS) <= {p.name for p in paths}
@@ -33,7 +34,7 @@ def test_write_samples_layout(tmp_path):
 
 def test_text_samples_state_their_facts(tmp_path):
     write_samples(tmp_path)
-    for name in ("report.pdf", "invoice.pdf", "minutes.pdf"):
+    for name in ("report.pdf", "invoice.pdf", "minutes.pdf", "harbour-log.pdf"):
         with pymupdf.open(tmp_path / name) as doc:
             assert doc.page_count >= 2  # multi-page: facts are spread over pages
             text = " ".join(page.get_text() for page in doc).replace("\n", " ")
@@ -57,7 +58,7 @@ def test_samples_are_byte_identical_across_runs_and_processes(tmp_path):
     code = "import sys; from pipeline.inputs.samples import write_samples; write_samples(sys.argv[1])"
     subprocess.run([sys.executable, "-c", code, str(tmp_path / "c")], check=True)
     a = tree_bytes(tmp_path / "a")
-    assert len(a) == 7 and a == tree_bytes(tmp_path / "b") == tree_bytes(tmp_path / "c")
+    assert len(a) == 8 and a == tree_bytes(tmp_path / "b") == tree_bytes(tmp_path / "c")
 
 
 def test_long_pdf(tmp_path):
@@ -83,3 +84,13 @@ def test_damaged_files_are_damaged(tmp_path):
         assert doc[1].get_text() == ""
         assert "zlib" in pymupdf.TOOLS.mupdf_warnings(reset=True)
         assert "intact text of page 3" in doc[2].get_text()
+
+
+def test_harbour_log_is_long_with_a_few_scanned_pages(tmp_path):
+    write_samples(tmp_path)
+    with pymupdf.open(tmp_path / "harbour-log.pdf") as doc:
+        assert 60 <= doc.page_count <= 100
+        scanned = [page.number + 1 for page in doc if not page.get_text().strip()]
+        assert scanned == [14, 36, 62]
+        assert all(len(doc[n - 1].get_images()) == 1 for n in scanned)
+        assert "Week 52 (Dec 2024)" in doc[58].get_text()

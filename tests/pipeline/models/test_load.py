@@ -32,7 +32,7 @@ def test_text_jobs_default_to_smollm2(smollm2_model, smollm2_dir):
     assert m.tokenizer.decode(m.tokenizer.encode("Page 12 of 40")) == "Page 12 of 40"
 
 
-def test_image_jobs_default_to_tiny_vlm(tiny_vlm_model):
+def test_tiny_vlm_by_name(tiny_vlm_model):
     m = tiny_vlm_model
     assert (m.kind, m.name) == ("vlm", BUILTIN_VLM)
     assert m.config["model_type"] == "qwen2_vl"
@@ -109,7 +109,7 @@ def test_vlm_without_mlx_vlm_names_the_extra(tmp_path, monkeypatch):
     module_exists = models._module_exists
     monkeypatch.setattr(models, "_module_exists", lambda name: not name.startswith("mlx_vlm") and module_exists(name))
     with pytest.raises(ModelLoadError, match=r"builtin:tiny-qwen2-vl.*pip install 'tqpipe\[vlm\]'"):
-        load_model(None, needs_images=True)
+        load_model(BUILTIN_VLM, needs_images=True)
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2_vl", "vision_config": {"depth": 2}}))
     with pytest.raises(ModelLoadError, match=r"needs mlx-vlm, which is not installed: pip install 'tqpipe\[vlm\]'") as e:
         load_model(str(tmp_path))
@@ -164,7 +164,7 @@ def test_builtin_cache_is_reused_and_repaired(monkeypatch, tmp_path):
         f.truncate(size // 2)
     models.builtin_vlm_dir()
     assert weights.stat().st_size == size
-    assert load_model(None, needs_images=True).kind == "vlm"
+    assert load_model(BUILTIN_VLM, needs_images=True).kind == "vlm"
 
     shutil.rmtree(first)
     first.mkdir()  # an empty leftover directory

@@ -224,6 +224,7 @@ def test_dispatcher_bounds_in_flight_and_pulls_lazily(cluster):
     assert len({r["pid"] for r in results}) == workers  # both actors worked
 
 
+@pytest.mark.slow
 def test_dispatcher_charges_only_the_document_that_kills_and_gives_up(cluster):
     """A document whose worker always dies is charged max_retries + 1 deaths
     and given up; the documents queued with it on the same actor are retried
@@ -255,6 +256,7 @@ TWO_TASKS = """\
 ONE_TASK = '- {name: echo, prompt: "Say something.", max_tokens: 1}'
 
 
+@pytest.mark.slow
 def test_real_model_on_two_workers_survives_a_killed_worker(cluster, tmp_path):
     """20 PDFs, 2 tasks, the built-in model on 2 actors; the worker that takes
     doc00005 is SIGKILLed mid-document.  Every (document, task) record appears
@@ -282,6 +284,7 @@ def test_real_model_on_two_workers_survives_a_killed_worker(cluster, tmp_path):
         assert len({r["worker"]["pid"] for r in records if r["doc_id"] == doc}) == 1
 
 
+@pytest.mark.slow
 def test_document_that_keeps_killing_its_worker_is_recorded_failed(cluster, tmp_path, monkeypatch, caplog):
     """After max_retries resubmissions the document gets error records naming
     the cause; the other documents are unaffected (fake engine).  Without a
@@ -314,7 +317,8 @@ def test_document_that_keeps_killing_its_worker_is_recorded_failed(cluster, tmp_
     assert [r["status"] for r in final if r["doc_id"] == "docs/doc00003.pdf"] == ["error", "error", "ok", "ok"]
 
 
-@pytest.mark.parametrize("n", [2_000, pytest.param(10_000, marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("n", [2_000, 10_000])
 def test_back_pressure_on_many_documents(cluster, tmp_path, n):
     """Thousands of tiny documents through the whole driver (discovery, skip
     check, writing) with a FAKE engine: the point is the driver's bound, not
@@ -342,6 +346,7 @@ run_job_on_ray(load_job(sys.argv[2]), address=sys.argv[1], progress=False, num_c
 """
 
 
+@pytest.mark.slow
 def test_killed_driver_resumes_from_the_checkpoint(cluster, tmp_path):
     """A driver process (joining the cluster by its address, as
     ``--address`` does) SIGKILLed mid-run, then a second run on the same
@@ -374,6 +379,7 @@ def test_importing_the_ray_engine_does_not_import_ray():
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
 
 
+@pytest.mark.slow
 def test_pages_override_is_part_of_the_keys(cluster, tmp_path):
     """``--pages`` changes the record keys as in the local runner, so output
     for pages 1-1 never counts as done for a run over whole documents."""
@@ -388,6 +394,7 @@ def test_pages_override_is_part_of_the_keys(cluster, tmp_path):
     assert (whole.skipped, whole.records_written) == (0, 4)
 
 
+@pytest.mark.slow
 def test_cli_engine_ray_on_a_private_cluster(smollm2_dir, tmp_path):
     """``tqpipe run JOB --engine ray`` end to end in a fresh process: it starts
     its own local Ray, runs the built-in model on one worker, writes through

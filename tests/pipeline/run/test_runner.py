@@ -143,7 +143,7 @@ def test_pages_override_selects_pages_and_is_part_of_the_key(tmp_path, docs, tin
     assert [r["pages"]["included"] for r in records(job)[-2:]] == [[1, 2, 3]] * 2
 
 
-def test_builtin_default_picks_text_model_or_vlm_per_document(tmp_path, docs, smollm2_dir, tiny_vlm_dir):
+def test_builtin_default_reads_scanned_pages_through_ocr(tmp_path, docs, smollm2_dir):
     (docs / "b.pdf").unlink()
     make_scanned_pdf(docs / "scan.pdf", ["Scanned page: invoice 77"])
     job = load_job(write_job(tmp_path, model=None, tasks="  - {name: s, prompt: 'Summarize.', max_tokens: 2}\n"))
@@ -151,9 +151,27 @@ def test_builtin_default_picks_text_model_or_vlm_per_document(tmp_path, docs, sm
     assert run_job(job, engines=engines, progress=False).exit_code == 0
     by_doc = {r["doc_id"]: r for r in records(job)}
     assert by_doc["docs/a.pdf"]["model"] == "builtin:smollm2-135m-instruct"
-    assert by_doc["docs/scan.pdf"]["model"] == "builtin:tiny-qwen2-vl"
+    assert by_doc["docs/a.pdf"]["pages"]["via"] == {"1": "text", "2": "text", "3": "text"}
+    assert by_doc["docs/scan.pdf"]["model"] == "builtin:smollm2-135m-instruct"
+    assert by_doc["docs/scan.pdf"]["context"]["n_images"] == 0
+    assert by_doc["docs/scan.pdf"]["pages"]["via"] == {"1": "ocr"}
+    assert by_doc["docs/scan.pdf"]["tokens"]["document"] > by_doc["docs/scan.pdf"]["tokens"]["task_prompt"]
+    assert all(r["warnings"] == [] for r in by_doc.values())  # no random-weight model ran
+    assert engines.loads == 1
+
+
+def test_named_tiny_vlm_gets_page_images_and_warns_once(tmp_path, docs, tiny_vlm_dir, caplog):
+    (docs / "b.pdf").unlink()
+    make_scanned_pdf(docs / "scan.pdf", ["Scanned page: invoice 77"])
+    job = load_job(write_job(tmp_path, model="builtin:tiny-qwen2-vl",
+                             tasks="  - {name: s, prompt: 'Summarize.', max_tokens: 2}\n"))
+    with caplog.at_level("WARNING", logger="pipeline.inference.engines"):
+        assert run_job(job, engines=Engines(job), progress=False).exit_code == 0
+    by_doc = {r["doc_id"]: r for r in records(job)}
+    assert by_doc["docs/scan.pdf"]["pages"]["via"] == {"1": "image"}
     assert by_doc["docs/scan.pdf"]["context"]["n_images"] == 1
-    assert engines.loads == 2
+    assert all(r["warnings"] == ["random_weights"] for r in by_doc.values())
+    assert sum("random weights" in m for m in caplog.messages) == 1
 
 
 def test_process_document_yields_records_and_writes_nothing(tmp_path, docs, tiny_vlm_dir):
@@ -219,7 +237,7 @@ def test_text_model_on_scanned_pages_is_an_error_record(tmp_path, docs, smollm2_
     from transformers import AutoTokenizer
 
     make_scanned_pdf(docs / "scan.pdf", ["Scanned page: invoice 77"])
-    job = load_job(write_job(tmp_path, model=str(smollm2_dir), inputs="docs/scan.pdf"))
+    job = load_job(write_job(tmp_path, model=str(smollm2_dir), inputs="docs/scan.pdf", context=", images: always"))
     fake = SimpleNamespace(kind="text", model=None, processor=None, name="text-only",
                            tokenizer=AutoTokenizer.from_pretrained(str(smollm2_dir)), config={})
     out = list(process_document(Engines(job, loader=lambda *a, **k: fake), job, discover(job)[0]))
