@@ -1,119 +1,72 @@
-"""Answer quality of compressed KV caches on a real model (SmolLM2-135M-Instruct).
+"""Quality of compressed KV caches on real text (SmolLM2-135M-Instruct, CPU).
 
-    python -m benchmarks.quality [--tokens 1500] [--depths 0.1,0.5,0.9]
-        [--chunk 256] [--window 128] [--continuation 32] [--json]
+    python -m benchmarks.quality [--json] [--quick] [--passages 3] [--prefill 2048]
+        [--tokens 256] [--chunk 256] [--window 128] [--bits 2.5,3,3.5,4]
 
-Each prompt is a generated document (varied filler sentences) with one
-"needle" fact placed at a known depth and a question about it at the end,
-rendered with the model's chat template.  Every cache configuration reads
-the same prompt the way the pipeline does -- prefill in chunks of
-``--chunk`` tokens, so quantization really happens *during* prefill and
-later chunks attend to already-compressed history -- and is then measured
-two ways:
+Text: the longest topics of the Python reference manual shipped with the
+standard library (``pydoc_data.topics``: the data model, compound
+statements, the standard type hierarchy), so every machine with Python has
+the same passages.  Each passage is ``--prefill`` tokens of history
+followed by ``--tokens`` tokens that are scored.
 
-* teacher-forced over the fp16 greedy continuation (``--continuation``
-  tokens, one decode step per token, each step going through the cache):
-  top-1 next-token agreement with fp16 and mean KL(fp16 || config) of the
-  next-token distributions;
-* needle retrieval: greedy decoding of the answer, correct when it contains
-  the needle's value.
+Method, per passage (all passages run as one batch):
 
-Configurations: the model's own cache (float32 on CPU, where the model runs
-in float32; labelled fp16 as the pipeline's scheme name), mlx-lm's affine
-``QuantizedKVCache`` at 4/8 bits, mlx-vlm's ``TurboQuantKVCache`` (the peer)
-and ours at 2.5/3/3.5/4 bits, ours both with the exact window the pipeline
-uses (``--window``) and with ``window=0`` (the codec alone).  The fp16
-reference is computed once per prompt; everything runs in one process on
-the same token ids.
+1. the float32 model prefills the history once, in ``--chunk``-token
+   chunks, into its own cache;
+2. each configuration's caches are filled with that history's keys and
+   values, chunk by chunk through ``update_and_fetch`` (so the compressed
+   caches quantize, calibrate and flush exactly as in a chunked prefill);
+3. the scored tokens are teacher-forced one decode step at a time, so every
+   score reads the compressed history and every earlier scored token as
+   the cache holds it (quantized once it leaves the exact window).
 
-mlx-vlm's cache has a ``bits`` attribute, which mlx-lm's attention would send
-to its affine kernel; for the peer rows the llama module's attention is
-routed to ``mlx_vlm.models.base.scaled_dot_product_attention`` (its own
-dispatcher), inside this benchmark only.
+Reported against the float32 cache: perplexity of the scored tokens (per
+passage and its change), mean KL(float32 || config) of the next-token
+distributions, top-1 agreement, and the bytes the cache holds per token at
+the end (packed codes, scales, exact tokens and calibration, all layers).
+History from the float32 prefill keeps one prefill per passage for all
+configurations; it leaves out the compounding of quantized attention during
+prefill (at 3.5 bits without the exact window that added about 1% of
+perplexity on one passage when measured both ways).
+
+Configurations: float32; tqpipe at each width with the exact window off
+(``window=0``) and at ``--window``, with the scalar (Lloyd-Max) and
+trellis (``tcq``) quantizers; mlx-vlm's ``TurboQuantKVCache`` at the same
+widths; mlx-lm's affine ``QuantizedKVCache`` at 4 and 2 bits (group 64).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import platform
-import random
 import sys
 import time
-from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any, Sequence
 
 import turboquant  # noqa: F401  (fast CPU BLAS before mlx.core)
 import mlx.core as mx
 
-# ----------------------------------------------------------------- prompts
-_NAMES = ["Amara", "Bruno", "Chen", "Dalia", "Emil", "Farah", "Goran", "Hana", "Ivo", "Jun",
-          "Kofi", "Lena", "Marek", "Nia", "Oskar", "Priya", "Quinn", "Rosa", "Sven", "Tariq"]
-_VERBS = ["repaired", "painted", "measured", "photographed", "carried", "inspected", "described",
-          "cleaned", "sketched", "moved", "catalogued", "weighed", "polished", "labelled"]
-_ADJS = ["old", "narrow", "green", "heavy", "quiet", "wooden", "bright", "dusty", "tall",
-         "curved", "silver", "broken", "shallow", "crowded"]
-_NOUNS = ["bridge", "lantern", "boat", "fence", "window", "staircase", "garden", "map", "bell",
-          "cart", "mill", "tower", "well", "market stall"]
-_PLACES = ["harbour", "north gate", "river bend", "orchard", "old school", "train depot",
-           "lighthouse", "village square", "forest edge", "salt flats"]
-_TIMES = ["at dawn", "before lunch", "in the evening", "after the storm", "on market day",
-          "during the festival", "in late autumn", "at noon", "on a foggy morning"]
-_EXTRAS = [
-    "Nobody in the village remembered who had built it.",
-    "The work took longer than anyone expected.",
-    "A small crowd gathered to watch.",
-    "The weather stayed calm the whole time.",
-    "It was noted in the parish records.",
-    "Children followed along, asking questions.",
-    "The council thanked everyone in a short letter.",
-    "Later that week the rain returned.",
-]
-_COLORS = ["amber", "cobalt", "crimson", "ivory", "jade", "violet", "copper", "scarlet"]
+TOPICS = ("specialnames", "compound", "types", "formatstrings")  # pydoc_data.topics keys, longest first
 
 
-def _filler_sentence(rng: random.Random) -> str:
-    s = (f"{rng.choice(_NAMES)} {rng.choice(_VERBS)} the {rng.choice(_ADJS)} "
-         f"{rng.choice(_NOUNS)} near the {rng.choice(_PLACES)} {rng.choice(_TIMES)}.")
-    return s + (" " + rng.choice(_EXTRAS) if rng.random() < 0.3 else "")
-
-
-@dataclass
-class NeedlePrompt:
-    """One generated prompt: token ids, the needle's value and where it sits."""
-
-    ids: list[int]
-    answer: str
-    depth: float
-
-
-def make_needle_prompt(tokenizer: Any, n_tokens: int, depth: float, seed: int = 0) -> NeedlePrompt:
-    """A chat prompt of about ``n_tokens`` tokens with a needle at ``depth`` (0..1).
-
-    The filler is grown sentence by sentence until the rendered prompt
-    reaches ``n_tokens``; the needle sentence is inserted at the sentence
-    boundary closest to ``depth`` of the filler.
-    """
-    rng = random.Random(seed)
-    color = rng.choice(_COLORS)
-    answer = str(rng.randint(1000, 9999))
-    needle = f"The access code for the {color} vault is {answer}."
-    question = f"What is the access code for the {color} vault? Answer with the number only."
-
-    def render(sentences: list[str]) -> list[int]:
-        k = round(depth * len(sentences))
-        doc = " ".join(sentences[:k] + [needle] + sentences[k:])
-        messages = [{"role": "user", "content": f"{doc}\n\n{question}"}]
-        return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
-
-    sentences: list[str] = []
-    ids = render(sentences)
-    while len(ids) < n_tokens:
-        # ~20 tokens a sentence: add in batches, then re-render to measure
-        need = max(1, (n_tokens - len(ids)) // 24)
-        sentences += [_filler_sentence(rng) for _ in range(need)]
-        ids = render(sentences)
-    return NeedlePrompt(ids=ids, answer=answer, depth=depth)
+def passages(tokenizer: Any, count: int, n_tokens: int) -> list[list[int]]:
+    """The first ``n_tokens`` tokens of ``count`` reference-manual topics."""
+    try:
+        from pydoc_data.topics import topics
+    except ImportError as exc:  # some distributions split the stdlib docs out
+        raise SystemExit(f"benchmarks.quality: needs the stdlib's pydoc_data.topics ({exc})") from exc
+    if count > len(TOPICS):
+        raise SystemExit(f"benchmarks.quality: at most {len(TOPICS)} passages")
+    out = []
+    for name in TOPICS[:count]:
+        ids = list(tokenizer.encode(topics[name]))
+        if len(ids) < n_tokens:
+            raise SystemExit(f"benchmarks.quality: topic {name!r} has {len(ids)} tokens, need {n_tokens}")
+        out.append(ids[:n_tokens])
+    return out
 
 
 # ------------------------------------------------------------ configurations
@@ -125,6 +78,7 @@ class CacheConfig:
     scheme: str  # "fp16" | "affine" | "turboquant" | "mlx-vlm"
     bits: float | None = None
     window: int | None = None
+    quantizer: str = "scalar"  # turboquant only
 
     def build(self, model: Any) -> list:
         from turboquant import make_prompt_cache
@@ -134,7 +88,7 @@ class CacheConfig:
         if self.scheme == "affine":
             return make_prompt_cache(model, kv_bits=self.bits, kv_quant_scheme="affine")
         if self.scheme == "turboquant":
-            return make_prompt_cache(model, kv_bits=self.bits, window=self.window)
+            return make_prompt_cache(model, kv_bits=self.bits, window=self.window, quantizer=self.quantizer)
         if self.scheme == "mlx-vlm":
             from mlx_vlm.turboquant import TurboQuantKVCache as PeerCache
 
@@ -144,28 +98,34 @@ class CacheConfig:
 
 
 SCHEMES = ("fp16", "affine", "mlx-vlm", "turboquant")
+QUANTIZERS = ("scalar", "tcq")
 
 
 def default_configs(window: int, bits: Sequence[float] = (2.5, 3, 3.5, 4),
-                    schemes: Sequence[str] = SCHEMES) -> list[CacheConfig]:
-    """The fp16 reference first, then the schemes asked for (ours twice: ``window`` and 0)."""
-    configs = [CacheConfig("fp16 (float32 on CPU)", "fp16")]
-    if "affine" in schemes:
-        configs += [CacheConfig("mlx affine 8-bit", "affine", 8), CacheConfig("mlx affine 4-bit", "affine", 4)]
+                    schemes: Sequence[str] = SCHEMES,
+                    quantizers: Sequence[str] = QUANTIZERS) -> list[CacheConfig]:
+    """float32 first, then per width: mlx-vlm, ours (window 0 and ``window``,
+    each quantizer); mlx-lm affine at 4 and 2 bits last."""
+    configs = [CacheConfig("float32", "fp16")]
     for b in bits:
         if "mlx-vlm" in schemes:
             configs.append(CacheConfig(f"mlx-vlm TurboQuant {b:g}", "mlx-vlm", b))
         if "turboquant" in schemes:
-            configs.append(CacheConfig(f"ours {b:g} (window {window})", "turboquant", b, window))
-            configs.append(CacheConfig(f"ours {b:g} (window 0)", "turboquant", b, 0))
+            for q in quantizers:
+                for w in (0, window):
+                    configs.append(CacheConfig(f"tqpipe {b:g} {q}, window {w}", "turboquant", b, w, q))
+    if "affine" in schemes:
+        configs += [CacheConfig(f"mlx-lm affine {b}-bit", "affine", b) for b in (4, 2)]
     return configs
 
 
 def route_peer_attention() -> None:
     """Send mlx-vlm ``TurboQuantKVCache`` to mlx-vlm's own attention dispatcher.
 
-    Wraps whatever the llama module's attention is now (after our
-    ``turboquant.install()``, so our caches keep their route); idempotent.
+    mlx-vlm's cache has a ``bits`` attribute, which mlx-lm's attention would
+    send to its affine kernel; this wraps the llama module's attention (after
+    ``turboquant.install()``, so our caches keep their route), inside the
+    benchmarks only; idempotent.
     """
     import mlx_lm.models.llama as llama_mod
     from mlx_vlm.models import base as vlm_base
@@ -188,242 +148,188 @@ def route_peer_attention() -> None:
 
 
 # ----------------------------------------------------------------- running
-
-
-def prefill(model: Any, cache: list, ids: Sequence[int], chunk: int) -> mx.array:
-    """Chunked prefill; returns the last position's logits (float32, [vocab]).
-
-    Non-final chunks go through the backbone only (no LM head), as in
-    ``pipeline.inference.engine``.
-    """
-    if not ids:
-        raise ValueError("benchmarks.quality.prefill: empty prompt")
-    x = mx.array(list(ids), dtype=mx.int32)[None]
-    n = x.shape[1]
-    for start in range(0, n, chunk):
-        end = min(start + chunk, n)
-        if end < n:
-            model.model(x[:, start:end], cache=cache)
-            mx.eval([c.state for c in cache])
-        else:
-            h = model.model(x[:, start:end], cache=cache)
-            logits = model.lm_head(h[:, -1:]) if hasattr(model, "lm_head") else (
-                model.model.embed_tokens.as_linear(h[:, -1:]))
-    return logits[0, -1].astype(mx.float32)
-
-
-def step(model: Any, cache: list, token: int) -> mx.array:
-    return model(mx.array([[token]], dtype=mx.int32), cache=cache)[0, -1].astype(mx.float32)
-
-
-def _kv_bytes(cache: list) -> int:
-    """Bytes holding the cached tokens: ours' ``used_nbytes`` (its reserved
-    capacity is not data), mlx-vlm's ``nbytes`` (already just the tokens held),
-    mlx-lm's allocated ``nbytes`` (256-token steps)."""
-    return int(sum(getattr(c, "used_nbytes", None) or c.nbytes for c in cache))
-
-
-def _snapshot(cache: list) -> tuple[int, list]:
-    return cache[0].offset, [c.checkpoint() if hasattr(c, "checkpoint") else None for c in cache]
-
-
-def _rewind(cache: list, snap: tuple[int, list]) -> None:
-    """Back to the snapshot: our cache restores its checkpoint, others trim."""
-    offset, saved = snap
-    for c, s in zip(cache, saved):
-        if s is None:
-            c.trim(c.offset - offset)
-        else:
-            c.restore(s)
+def _logits(model: Any, h: mx.array) -> mx.array:
+    if hasattr(model, "lm_head"):
+        return model.lm_head(h)
+    return model.model.embed_tokens.as_linear(h)
 
 
 def _logprobs(logits: mx.array) -> mx.array:
+    logits = logits.astype(mx.float32)
     return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
 
 
-def greedy(model: Any, cache: list, first_logits: mx.array, n: int, eos: set[int],
-           forced: Sequence[int] = ()) -> tuple[list[int], mx.array]:
-    """Greedy decoding of up to ``n`` tokens, the EOS token included when it comes.
-
-    The first ``len(forced)`` tokens are fed instead of chosen (to resume a
-    run at a given point).  Returns the tokens and the log-probabilities
-    [len(tokens), vocab] each of them was chosen from.
-    """
-    out: list[int] = []
-    rows = []
-    logits = first_logits
-    while len(out) < n:
-        rows.append(_logprobs(logits))
-        tok = forced[len(out)] if len(out) < len(forced) else int(mx.argmax(logits).item())
-        out.append(tok)
-        if tok in eos or len(out) == n:
-            break
-        logits = step(model, cache, tok)
-        mx.eval(logits)
-    return out, mx.stack(rows)
-
-
-def teacher_forced(model: Any, cache: list, first_logits: mx.array, target: Sequence[int]) -> mx.array:
-    """Log-probabilities [len(target), vocab]: row i predicts ``target[i]`` after
-    the prompt and ``target[:i]`` (each fed through the cache, one decode step each)."""
-    rows = [_logprobs(first_logits)]
-    for tok in target[:-1]:
-        rows.append(_logprobs(step(model, cache, tok)))
-        mx.eval(rows[-1])
-    return mx.stack(rows)
-
-
 @dataclass
-class PromptRun:
-    logprobs: mx.array  # [T, vocab], teacher-forced over the reference continuation
-    answer_text: str
-    kv_bytes: int
-    seconds: float
+class History:
+    """The float32 prefill of a batch of passages: per-layer keys/values
+    [B, H, P, D] and the log-probabilities of the first scored token [B, V]."""
+
+    keys: list[mx.array]
+    values: list[mx.array]
+    first: mx.array
+    cache: list  # the float32 caches themselves (the reference run continues from them)
 
 
-def run_prompt(model: Any, tokenizer: Any, config: CacheConfig, prompt: NeedlePrompt,
-               reference: Sequence[int] | None, *, chunk: int, answer_tokens: int,
-               continuation: int, eos: set[int]) -> tuple[PromptRun, list[int]]:
-    """One prefill, then the teacher-forced pass and the config's greedy answer.
+def float_prefill(model: Any, ids: mx.array, chunk: int) -> History:
+    """Prefill ``ids`` [B, P] through the model's own (float32) cache in chunks."""
+    cache = CacheConfig("float32", "fp16").build(model)
+    n = ids.shape[1]
+    for start in range(0, n, chunk):
+        h = model.model(ids[:, start:start + chunk], cache=cache)
+        mx.eval(h, [c.state for c in cache])
+    first = _logprobs(_logits(model, h[:, -1]))
+    keys = [c.state[0][:, :, :n] for c in cache]
+    values = [c.state[1][:, :, :n] for c in cache]
+    mx.eval(first, keys, values)
+    return History(keys, values, first, cache)
 
-    ``reference=None`` (the fp16 run): greedy-decode ``continuation`` tokens
-    (EOS included); they are the reference, returned for the other configs.
-    Otherwise teacher-force ``reference``; while the config's own argmax
-    agrees with it, its greedy output *is* the reference, so a separate
-    greedy run (rewind to the prompt, replay the agreeing prefix, decode) is
-    only needed when they part before the answer is complete.
-    """
-    t0 = time.perf_counter()
-    cache = config.build(model)
-    for c in cache:  # as the engine does: our cache sized once, no geometric over-allocation
+
+def fill(caches: list, history: History, chunk: int) -> None:
+    """Give each layer's cache the float32 history, ``chunk`` tokens at a time."""
+    n = history.keys[0].shape[2]
+    for c in caches:
         if hasattr(c, "reserve"):
-            c.reserve(len(prompt.ids) + max(continuation, answer_tokens))
-    first = prefill(model, cache, prompt.ids, chunk)
-    mx.eval(first)
-    if reference is None:
-        reference, logprobs = greedy(model, cache, first, max(continuation, answer_tokens), eos)
-        answer = reference[:answer_tokens]
-        kv_bytes = _kv_bytes(cache)
-    else:
-        snap = _snapshot(cache)
-        logprobs = teacher_forced(model, cache, first, reference)
-        kv_bytes = _kv_bytes(cache)
-        pred = mx.argmax(logprobs, axis=-1).tolist()
-        agree = next((i for i, (a, b) in enumerate(zip(pred, reference)) if a != b), len(reference))
-        answer = list(reference[:answer_tokens])
-        if agree < min(answer_tokens, len(reference)):
-            _rewind(cache, snap)
-            answer, _ = greedy(model, cache, first, answer_tokens, eos, forced=reference[:agree])
-    mx.eval(logprobs)
-    text = tokenizer.decode([t for t in answer if t not in eos])
-    return PromptRun(logprobs, text, kv_bytes, time.perf_counter() - t0), list(reference)
+            c.reserve(n + 1024)
+    for start in range(0, n, chunk):
+        for c, k, v in zip(caches, history.keys, history.values):
+            c.update_and_fetch(k[:, :, start:start + chunk], v[:, :, start:start + chunk])
+        mx.eval([[a for a in c.state if isinstance(a, mx.array)] for c in caches])
 
 
-def compare(ref: mx.array, other: mx.array) -> tuple[float, float]:
-    """(top-1 agreement, mean KL(ref || other)) over the rows of two log-prob tables."""
-    top1 = mx.mean(mx.argmax(ref, axis=-1) == mx.argmax(other, axis=-1)).item()
-    kl = mx.sum(mx.exp(ref) * (ref - other), axis=-1)
-    return float(top1), float(mx.mean(mx.maximum(kl, 0.0)).item())
+def teacher_forced(model: Any, caches: list, first: mx.array, targets: mx.array) -> mx.array:
+    """Log-probabilities [B, T, V]: row t predicts ``targets[:, t]`` after the
+    history and ``targets[:, :t]``, each fed as one decode step through the cache."""
+    rows = [first]
+    for t in range(targets.shape[1] - 1):
+        rows.append(_logprobs(model(targets[:, t:t + 1], cache=caches)[:, -1]))
+        mx.eval(rows[-1])
+    return mx.stack(rows, axis=1)
+
+
+def kv_bytes(caches: list) -> int:
+    """Bytes holding the cached tokens, not reserved capacity: ours'
+    ``used_nbytes``, mlx-vlm's ``nbytes`` (just the tokens held), and for
+    mlx-lm's caches (allocated in 256-token steps) the per-token bytes of
+    their key/value arrays times the tokens held."""
+    from mlx.utils import tree_flatten
+
+    from turboquant.cache import TurboQuantKVCache
+
+    total = 0
+    for c in caches:
+        if isinstance(c, TurboQuantKVCache):
+            total += c.used_nbytes
+        elif type(c).__module__.startswith("mlx_vlm."):
+            total += c.nbytes
+        else:
+            arrays = [a for _, a in tree_flatten((c.keys, c.values))]
+            total += sum(a.nbytes // a.shape[2] for a in arrays) * c.offset
+    return int(total)
 
 
 @dataclass
-class ConfigResult:
+class Result:
     label: str
     scheme: str
     bits: float | None
     window: int | None
+    quantizer: str
+    ppl: list[float] = field(default_factory=list)  # per passage
+    ppl_change: float = 0.0  # mean over passages of ppl / float32 ppl - 1
+    kl: float = 0.0  # mean KL(float32 || config) over all scored positions
     top1: float = 0.0
-    kl: float = 0.0
-    needle: float = 0.0
-    kv_bytes: float = 0.0
-    positions: int = 0  # next-token distributions compared, all prompts
+    bytes_per_token: float = 0.0  # all layers, keys + values
     seconds: float = 0.0
-    answers: list[str] = field(default_factory=list)
 
 
-def evaluate(model: Any, tokenizer: Any, prompts: Sequence[NeedlePrompt], configs: Sequence[CacheConfig],
-             *, chunk: int = 256, answer_tokens: int = 20, continuation: int = 32,
-             log: Callable[[str], None] = lambda s: None) -> list[ConfigResult]:
-    """All configs on all prompts; ``configs[0]`` must be the fp16 reference."""
+def score(ref: mx.array, other: mx.array, targets: mx.array) -> tuple[list[float], float, float]:
+    """(perplexity per passage, mean KL(ref || other), top-1 agreement) of [B, T, V] log-probs."""
+    nll = -mx.take_along_axis(other, targets[..., None], axis=-1)[..., 0].mean(axis=1)
+    kl = mx.maximum(mx.sum(mx.exp(ref) * (ref - other), axis=-1), 0.0)
+    top1 = mx.argmax(ref, axis=-1) == mx.argmax(other, axis=-1)
+    return [math.exp(x) for x in nll.tolist()], float(kl.mean().item()), float(top1.mean().item())
+
+
+def evaluate(model: Any, ids: mx.array, n_prefill: int, configs: Sequence[CacheConfig], *,
+             chunk: int = 256, log=lambda s: None) -> list[Result]:
+    """Every config on the passages ``ids`` [B, n_prefill + T]; ``configs[0]`` is float32."""
     if configs[0].scheme != "fp16":
-        raise ValueError("benchmarks.quality.evaluate: the first config must be the fp16 reference")
-    eos = set(getattr(tokenizer, "eos_token_ids", None) or [])
-    refs: list[tuple[mx.array, list[int]]] = []
-    results = []
+        raise ValueError("benchmarks.quality.evaluate: the first config must be the float32 reference")
+    history = float_prefill(model, ids[:, :n_prefill], chunk)
+    targets = ids[:, n_prefill:]
+    results, ref = [], None
     for config in configs:
-        res = ConfigResult(config.label, config.scheme, config.bits, config.window)
-        for i, prompt in enumerate(prompts):
-            reference = refs[i][1] if i < len(refs) else None
-            run, tokens = run_prompt(model, tokenizer, config, prompt, reference, chunk=chunk,
-                                     answer_tokens=answer_tokens, continuation=continuation, eos=eos)
-            if len(refs) < len(prompts):
-                refs.append((run.logprobs, tokens))
-            top1, kl = compare(refs[i][0], run.logprobs)
-            res.top1 += top1 / len(prompts)
-            res.kl += kl / len(prompts)
-            res.needle += (prompt.answer in run.answer_text) / len(prompts)
-            res.kv_bytes += run.kv_bytes / len(prompts)
-            res.positions += run.logprobs.shape[0]
-            res.seconds += run.seconds
-            res.answers.append(run.answer_text.strip())
-            mx.clear_cache()
-        log(f"{res.label:28s} top1 {res.top1:.4f}  KL {res.kl:.5f}  needle {res.needle:.2f}  "
-            f"({res.seconds:.0f} s)  answers {res.answers}")
-        results.append(res)
+        t0 = time.perf_counter()
+        if ref is None:
+            caches = history.cache
+        else:
+            caches = config.build(model)
+            fill(caches, history, chunk)
+        lp = teacher_forced(model, caches, history.first, targets)
+        if ref is None:
+            ref = lp
+        ppl, kl, top1 = score(ref, lp, targets)
+        base = results[0].ppl if results else ppl
+        r = Result(config.label, config.scheme, config.bits, config.window,
+                   config.quantizer if config.scheme == "turboquant" else "",
+                   ppl, sum(p / b - 1 for p, b in zip(ppl, base)) / len(ppl), kl, top1,
+                   kv_bytes(caches) / (ids.shape[0] * (ids.shape[1] - 1)), time.perf_counter() - t0)
+        results.append(r)
+        del caches, lp
+        mx.clear_cache()
+        log(f"{r.label:34s} ppl {' / '.join(f'{p:.3f}' for p in r.ppl)} ({100 * r.ppl_change:+.2f}%)  "
+            f"KL {r.kl:.4f}  top-1 {100 * r.top1:.1f}%  {r.bytes_per_token:,.0f} B/token  ({r.seconds:.0f} s)")
     return results
 
 
 # --------------------------------------------------------------------- CLI
-def format_table(results: Sequence[ConfigResult]) -> str:
+def format_table(results: Sequence[Result]) -> str:
     peer = {r.bits: r.kl for r in results if r.scheme == "mlx-vlm"}
-    lines = ["| cache | top-1 agreement | mean KL | KL / mlx-vlm TQ | needle acc. | KV bytes | positions |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| cache | bytes/token | perplexity | vs float32 | mean KL | KL / mlx-vlm | top-1 |",
+             "|---|---:|---|---:|---:|---:|---:|"]
     for r in results:
         rel = f"{r.kl / peer[r.bits]:.2f}x" if r.scheme == "turboquant" and peer.get(r.bits) else ""
-        lines.append(f"| {r.label} | {100 * r.top1:.2f}% | {r.kl:.5f} | {rel} | "
-                     f"{100 * r.needle:.0f}% | {r.kv_bytes / 1e6:.2f} MB | {r.positions} |")
+        lines.append(f"| {r.label} | {r.bytes_per_token:,.0f} | {' / '.join(f'{p:.2f}' for p in r.ppl)} | "
+                     f"{100 * r.ppl_change:+.2f}% | {r.kl:.4f} | {rel} | {100 * r.top1:.1f}% |")
     return "\n".join(lines)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.quality", description=__doc__.split("\n\n")[0])
-    p.add_argument("--tokens", type=int, default=1500, help="prompt length in tokens")
-    p.add_argument("--depths", default="0.1,0.5,0.9", help="needle depths, one prompt each")
+    p.add_argument("--passages", type=int, default=3)
+    p.add_argument("--prefill", type=int, default=2048, help="history tokens per passage")
+    p.add_argument("--tokens", type=int, default=256, help="scored (teacher-forced) tokens per passage")
     p.add_argument("--chunk", type=int, default=256, help="prefill chunk size")
     p.add_argument("--window", type=int, default=128, help="our exact window (also run with 0)")
     p.add_argument("--bits", default="2.5,3,3.5,4")
-    p.add_argument("--schemes", default=",".join(SCHEMES), help="which caches besides fp16")
-    p.add_argument("--seed", type=int, default=0, help="prompt i uses seed + i (needle, filler)")
-    p.add_argument("--continuation", type=int, default=32,
-                   help="fp16 greedy tokens to teacher-force (fewer when it stops at EOS)")
-    p.add_argument("--answer-tokens", type=int, default=20)
+    p.add_argument("--schemes", default=",".join(SCHEMES[1:]), help="which caches besides float32")
+    p.add_argument("--quantizers", default=",".join(QUANTIZERS))
+    p.add_argument("--quick", action="store_true",
+                   help="CI smoke: 1 passage, 512 + 32 tokens, 3.5 bits, scalar, affine 4 and 2")
     p.add_argument("--json", action="store_true", help="also print one JSON line")
     a = p.parse_args(argv)
-    schemes = a.schemes.split(",")
-    unknown = set(schemes) - set(SCHEMES)
-    if unknown:
-        p.error(f"--schemes: unknown {', '.join(sorted(unknown))}; choose from {', '.join(SCHEMES)}")
+    if a.quick:
+        a.passages, a.prefill, a.tokens, a.bits, a.quantizers = 1, 512, 32, "3.5", "scalar"
+    schemes, quantizers = a.schemes.split(","), a.quantizers.split(",")
+    if set(schemes) - set(SCHEMES[1:]) or set(quantizers) - set(QUANTIZERS):
+        p.error(f"--schemes from {', '.join(SCHEMES[1:])}; --quantizers from {', '.join(QUANTIZERS)}")
 
     from pipeline.models.load import load_model
 
     t0 = time.perf_counter()
     loaded = load_model(None)
-    model, tokenizer = loaded.model, loaded.tokenizer
-    depths = [float(d) for d in a.depths.split(",")]
-    prompts = [make_needle_prompt(tokenizer, a.tokens, d, seed=a.seed + i) for i, d in enumerate(depths)]
-    configs = default_configs(a.window, [float(b) for b in a.bits.split(",")], schemes)
-    print(f"model: {loaded.name} (float32 on CPU); prompts: {[len(q.ids) for q in prompts]} tokens, "
-          f"needle depths {depths}; prefill chunk {a.chunk}; teacher-forced {a.continuation} tokens",
-          flush=True)
-    results = evaluate(model, tokenizer, prompts, configs, chunk=a.chunk, answer_tokens=a.answer_tokens,
-                       continuation=a.continuation, log=lambda s: print(s, flush=True))
+    ids = mx.array(passages(loaded.tokenizer, a.passages, a.prefill + a.tokens), dtype=mx.int32)
+    configs = default_configs(a.window, [float(b) for b in a.bits.split(",")], schemes, quantizers)
+    print(f"model: {loaded.name} (float32 on CPU); {a.passages} passages of pydoc_data.topics "
+          f"{list(TOPICS[:a.passages])}: {a.prefill} history + {a.tokens} scored tokens each; "
+          f"prefill chunk {a.chunk}", flush=True)
+    results = evaluate(loaded.model, ids, a.prefill, configs, chunk=a.chunk, log=lambda s: print(s, flush=True))
     print()
     print(format_table(results))
     print(f"\ntotal {time.perf_counter() - t0:.0f} s on {platform.machine()} CPU")
     if a.json:
-        print(json.dumps({"prompt_tokens": [len(q.ids) for q in prompts], "depths": depths, "seed": a.seed,
-                          "chunk": a.chunk, "window": a.window, "continuation": a.continuation,
-                          "results": [r.__dict__ for r in results]}))
+        print(json.dumps({"topics": list(TOPICS[:a.passages]), "prefill": a.prefill, "tokens": a.tokens,
+                          "chunk": a.chunk, "window": a.window, "results": [asdict(r) for r in results]}))
     return 0
 
 

@@ -131,7 +131,8 @@ def _fused_ins(dtype: str) -> list[str]:
 
 # (kernel, input dtypes, output dtypes, constants; MINB: the register cap the
 # launcher sets, __launch_bounds__(NW * 32, MINB)).  The shapes the table
-# launches: 3.5 bits (3/4), 4/4, 2.5 (2/3), head dims 64/128/256.
+# launches: the presets 3.5 bits (4/3), 2.5 (3/2), 4/4, and the other splits
+# key_bits/value_bits still select (3/4, 2/3), head dims 64/128/256.
 CASES = [
     ("tq_decode", _SIMT_INS, ["float32"] * 3,
      [("D", 128), ("BK", 3), ("BV", 4), ("GL", 4), ("DPT", 16), ("NW", 8), ("U", 4)]),
@@ -139,9 +140,17 @@ CASES = [
      [("D", 256), ("BK", 2), ("BV", 3), ("GL", 8), ("DPT", 8), ("NW", 4), ("U", 4)]),
     ("tq_decode", _SIMT_INS, ["float32"] * 3,
      [("D", 64), ("BK", 4), ("BV", 4), ("GL", 1), ("DPT", 16), ("NW", 8), ("U", 4)]),
+    ("tq_decode", _SIMT_INS, ["float32"] * 3,
+     [("D", 128), ("BK", 4), ("BV", 3), ("GL", 4), ("DPT", 16), ("NW", 8), ("U", 4)]),
+    ("tq_decode", _SIMT_INS, ["float32"] * 3,
+     [("D", 64), ("BK", 3), ("BV", 2), ("GL", 4), ("DPT", 16), ("NW", 8), ("U", 4)]),
+    ("tq_decode_tc", _TC_INS, ["float32"] * 3, [("D", 128), ("BK", 4), ("BV", 3), ("GL", 16), ("NW", 4)]),
+    ("tq_decode_tc", _TC_INS, ["float32"] * 3, [("D", 64), ("BK", 3), ("BV", 2), ("GL", 8), ("NW", 4)]),
     ("tq_decode_tc", _TC_INS, ["float32"] * 3, [("D", 128), ("BK", 3), ("BV", 4), ("GL", 16), ("NW", 4)]),
     ("tq_decode_tc", _TC_INS, ["float32"] * 3, [("D", 128), ("BK", 2), ("BV", 3), ("GL", 8), ("NW", 4)]),
     ("tq_decode_tc", _TC_INS, ["float32"] * 3, [("D", 64), ("BK", 3), ("BV", 3), ("GL", 1), ("NW", 4)]),
+    ("tq_decode_tc8", _TC_INS, ["float32"], [("D", 128), ("BK", 4), ("BV", 3), ("NW", 4)]),
+    ("tq_decode_tc8", _TC_INS, ["float32"], [("D", 128), ("BK", 3), ("BV", 2), ("NW", 8), ("MINB", 2)]),
     # task rows over one document (shared_prefix): rows x group per kv head,
     # e.g. 3 tasks x 4 (8B shape) = 12, 4 x 4 = 16 rows on d=128 and d=64 (1B)
     ("tq_decode_tc", _TC_INS, ["float32"] * 3, [("D", 128), ("BK", 3), ("BV", 4), ("GL", 12), ("NW", 4)]),
@@ -150,7 +159,11 @@ CASES = [
     ("tq_decode_tc8", _TC_INS, ["float32"], [("D", 128), ("BK", 3), ("BV", 4), ("NW", 8), ("MINB", 2)]),
     ("tq_decode_tc8", _TC_INS, ["float32"], [("D", 128), ("BK", 4), ("BV", 4), ("NW", 8), ("MINB", 2)]),
     ("tq_decode_tc8", _TC_INS, ["float32"], [("D", 64), ("BK", 2), ("BV", 3), ("NW", 4)]),
-    ("tq_decode_tc8_fused", _fused_ins("float16"), ["float32", "float16"],  # the default step
+    ("tq_decode_tc8_fused", _fused_ins("float16"), ["float32", "float16"],  # the default step (3.5)
+     [("D", 128), ("BK", 4), ("BV", 3), ("NW", 4)]),
+    ("tq_decode_tc8_fused", _fused_ins("bfloat16"), ["float32", "bfloat16"],  # 2.5
+     [("D", 64), ("BK", 3), ("BV", 2), ("NW", 8), ("MINB", 2)]),
+    ("tq_decode_tc8_fused", _fused_ins("float16"), ["float32", "float16"],
      [("D", 128), ("BK", 3), ("BV", 4), ("NW", 8), ("MINB", 2)]),
     ("tq_decode_tc8_fused", _fused_ins("bfloat16"), ["float32", "bfloat16"],
      [("D", 64), ("BK", 2), ("BV", 3), ("NW", 4)]),

@@ -104,15 +104,17 @@ def cuda_stand_in(monkeypatch, cuda_kernel, on_gpu=True):
 
 
 def dense_reference(q, cache, wk, wv, scale, mask):
-    """Plain float32 softmax attention over [dequantized packed + window],
-    with the means added back (uncentred) and K/V repeated for GQA."""
-    P = cache.packed_len
+    """Plain float32 softmax attention over the tokens in position order --
+    the sinks (front of the exact tokens), the dequantized packed history
+    with the means added back (uncentred), the recent window -- with K/V
+    repeated for GQA."""
+    P, S = cache.packed_len, cache.sink_len
     keys, values = wk.astype(mx.float32), wv.astype(mx.float32)
     if P:
         kh = cache.key_codec.dequantize(cache.keys_packed[:, :, :P], cache.keys_norms[:, :, :P])
         vh = cache.value_codec.dequantize(cache.values_packed[:, :, :P], cache.values_norms[:, :, :P])
-        keys = mx.concatenate([kh + cache.key_mean, keys], axis=2)
-        values = mx.concatenate([vh + cache.value_mean, values], axis=2)
+        keys = mx.concatenate([keys[:, :, :S], kh + cache.key_mean, keys[:, :, S:]], axis=2)
+        values = mx.concatenate([values[:, :, :S], vh + cache.value_mean, values[:, :, S:]], axis=2)
     G = q.shape[1] // keys.shape[1]
     keys, values = mx.repeat(keys, G, axis=1), mx.repeat(values, G, axis=1)
     s = (q.astype(mx.float32) * scale) @ keys.swapaxes(-1, -2)
@@ -120,8 +122,9 @@ def dense_reference(q, cache, wk, wv, scale, mask):
     if isinstance(mask, str):
         mask = mx.arange(K - L, K)[:, None] >= mx.arange(K)[None]
     if mask is not None:
-        if mask.shape[-1] != K:  # window-only mask: history fully visible
-            mask = mx.concatenate([mx.ones((*mask.shape[:-1], P), mx.bool_), mask], axis=-1)
+        if mask.shape[-1] != K:  # window-only mask (sinks, recent): history fully visible
+            ones = mx.ones((*mask.shape[:-1], P), mx.bool_)
+            mask = mx.concatenate([mask[..., :S], ones, mask[..., S:]], axis=-1)
         s = mx.where(mask, s, -1e30) if mask.dtype == mx.bool_ else s + mask
     return mx.softmax(s, axis=-1) @ values
 

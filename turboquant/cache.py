@@ -5,18 +5,26 @@ Layout per layer (``B`` batch, ``H`` kv heads, ``C`` capacity):
 * ``keys_packed``   uint32  [B, H, C, words_k]  codebook indices, rotated domain
 * ``keys_norms``    float16 [B, H, C]           corrected norms (see codec.py)
 * ``values_packed`` / ``values_norms``           the same for values
-* ``window_keys`` / ``window_values``           the most recent tokens in the
-  model's dtype, [B, H, n_window, D]
+* ``window_keys`` / ``window_values``           the exact tokens in the
+  model's dtype, [B, H, sink_len + recent, D]: the attention sinks (the
+  context's first ``sinks`` tokens), then the most recent tokens
 
-Tokens ``[0, packed_len)`` live in the packed arrays and tokens
-``[packed_len, offset)`` in the exact window.  A token leaves the window
-lazily, at the *start* of the next ``update_and_fetch``: the chunk being
-processed therefore always attends to itself (and the ``window`` tokens
-before it) exactly, and ``update_and_fetch`` returns just that window; the
-attention (``turboquant.attention``) reads the packed history from the cache.
+With ``s = sink_len``: tokens ``[0, s)`` are the sinks, ``[s, s + packed_len)``
+live in the packed arrays and ``[s + packed_len, offset)`` are the recent
+window.  A token leaves the window lazily, at the *start* of the next
+``update_and_fetch``: the chunk being processed therefore always attends to
+itself (and the ``window`` tokens before it) exactly, and
+``update_and_fetch`` returns the exact tokens (sinks + recent); the attention
+(``turboquant.attention``) reads the packed history from the cache.
+Attention does not depend on the order of its keys (positions are already
+in them), so the sinks simply travel at the front of the exact tokens and
+every attention route (reference, kernels, the fused step) covers them as
+window tokens; only a mask over all columns has to be reordered
+(``masks.split_mask``).  See ``policy`` for why sinks and how many.
 
 Centring: keys and values are stored minus a per-(batch, head) mean taken
-from every token seen at the first quantization.  Real keys carry large
+from every token seen at the first quantization (the sinks left out: their
+keys are far from all others).  Real keys carry large
 per-channel offsets; removing them shrinks the norms the codec has to spend
 its bits on.  It is exact for attention: the packed scores get ``q·mean_k``
 back (one dot per query row) and the packed value sum gets ``mass·mean_v``.
@@ -35,9 +43,11 @@ There is deliberately no attribute called ``bits``: mlx-lm sends any cache
 with ``bits`` to its affine quantized attention.
 
 Masks from ``make_mask`` cover the columns ``update_and_fetch`` returns (the
-window): the packed history precedes every query, so causal attention sees
-all of it.  ``state`` is eight arrays (None where empty) followed by eight
-meta strings, because mlx-lm's ``save_prompt_cache`` saves ``state`` only.
+exact tokens): the packed history precedes every query, so causal attention
+sees all of it.  ``state`` is eight arrays (None where empty) followed by
+the meta strings, because mlx-lm's ``save_prompt_cache`` saves ``state``
+only; the meta strings start with the format version (``FORMAT``), and a
+cache saved in another format is refused with the version it carries.
 """
 
 from __future__ import annotations
@@ -53,7 +63,12 @@ from .codec import TurboQuantCodec
 from .packing import packed_words
 from .rotation import HadamardRotation
 from .trellis import TrellisCodec
-from .policy import QUANTIZERS, KVQuantPolicy, parse_kv_policy
+from .policy import QUANTIZERS, SINK_TOKENS, KVQuantPolicy, parse_kv_policy
+
+# Saved-cache format: bump whenever what the saved arrays mean changes.
+# 2: 4-bit keys / 3-bit values at 3.5 (3 / 2 at 2.5) and attention sinks
+# at the front of the exact tokens; format 1 (no version field) had neither.
+FORMAT = "tqcache-2"
 
 
 def shrunk_mean(x: mx.array, axis: int = 2) -> mx.array:
@@ -76,6 +91,13 @@ def shrunk_mean(x: mx.array, axis: int = 2) -> mx.array:
     shrink = mx.maximum(1.0 - var / mx.maximum(n * m * m, 1e-30), 0.0)
     return m * shrink
 
+def _drop(x: mx.array, start: int, n: int) -> mx.array:
+    """``x`` without tokens ``[start, start + n)`` (axis 2)."""
+    if start == 0:
+        return x[:, :, n:]
+    return mx.concatenate([x[:, :, :start], x[:, :, start + n :]], axis=2)
+
+
 class TurboQuantKVCache(_BaseCache):
     """mlx-lm/mlx-vlm KV cache with TurboQuant-compressed history.
 
@@ -83,6 +105,7 @@ class TurboQuantKVCache(_BaseCache):
         kv_bits: preset width (2, 2.5, 3, 3.5, 4); see ``policy.resolve_bits``.
         key_bits / value_bits: override either side (1..4 bits).
         window: number of most recent tokens kept exact (model dtype).
+        sinks: number of first tokens of the context kept exact (model dtype).
         flush_batch: tokens beyond the window that wait to be quantized
             together (default ``window // 2``, at least 1).
         seed: rotation seed; ``make_prompt_cache`` passes base seed + layer.
@@ -107,12 +130,13 @@ class TurboQuantKVCache(_BaseCache):
         flush_batch: int | None = None,
         seed: int = 0,
         quantizer: str = "scalar",
+        sinks: int = SINK_TOKENS,
         policy: KVQuantPolicy | None = None,
         layer: int = 0,
     ):
         if policy is None:
             policy = parse_kv_policy(kv_bits, key_bits=key_bits, value_bits=value_bits, quantizer=quantizer,
-                                     window=window, seed=seed, where="TurboQuantKVCache")
+                                     window=window, sinks=sinks, seed=seed, where="TurboQuantKVCache")
         self._use_policy(policy, layer)
         # Decode appends one token per step; quantizing each at once would
         # cost a launch pair per step, comparable to the attention itself.
@@ -147,7 +171,7 @@ class TurboQuantKVCache(_BaseCache):
             raise ValueError(f"TurboQuantKVCache: policy scheme {policy.scheme!r} is not turboquant")
         self.policy = policy
         self.key_bits, self.value_bits = policy.key_bits, policy.value_bits
-        self.quantizer, self.window = policy.quantizer, policy.window
+        self.quantizer, self.window, self.sinks = policy.quantizer, policy.window, policy.sinks
         self.seed = policy.seed + int(layer)
 
     def _setup(self, k_dim: int, v_dim: int) -> None:
@@ -177,7 +201,13 @@ class TurboQuantKVCache(_BaseCache):
 
     @property
     def window_len(self) -> int:
+        """Exact tokens held: the sinks and the recent window."""
         return self.offset - self.packed_len
+
+    @property
+    def sink_len(self) -> int:
+        """Attention sinks held (at the front of the exact tokens)."""
+        return min(self.sinks, self.offset)
 
     def reserve(self, n_tokens: int) -> None:
         """Allocate packed storage for ``n_tokens`` up front (no regrowth).
@@ -215,11 +245,12 @@ class TurboQuantKVCache(_BaseCache):
 
     # --------------------------------------------------------------- protocol
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        """Append ``keys``/``values`` [B, H, L, D]; return the exact window.
+        """Append ``keys``/``values`` [B, H, L, D]; return the exact tokens.
 
         First moves tokens that fell out of the window (from earlier calls)
-        into packed storage, so the returned window always ends with the new
-        tokens and holds at least ``min(window, offset)`` tokens before them.
+        into packed storage, so what is returned is the sinks followed by a
+        window that ends with the new tokens and holds at least
+        ``min(window, offset - sinks)`` tokens before them.
         """
         if self._dims is None:
             self._setup(keys.shape[-1], values.shape[-1])
@@ -238,7 +269,7 @@ class TurboQuantKVCache(_BaseCache):
         prefill chunk always qualifies), else none; none while ``hold``."""
         if self.window_keys is None or self.hold:
             return 0
-        excess = self.window_keys.shape[2] - self.window
+        excess = self.window_keys.shape[2] - self.sink_len - self.window
         return excess if excess >= self.flush_batch else 0
 
     def settle(self) -> None:
@@ -246,7 +277,7 @@ class TurboQuantKVCache(_BaseCache):
         says (the last prefill chunk would otherwise wait for the next append;
         a task that ``hold``s would keep it exact for its whole decode)."""
         if self.window_keys is not None:
-            self._flush(self.window_keys.shape[2] - self.window)
+            self._flush(self.window_keys.shape[2] - self.sink_len - self.window)
 
     def _flush(self, excess: int | None = None) -> None:
         """Quantize the tokens beyond the exact window (``excess`` of them,
@@ -256,14 +287,16 @@ class TurboQuantKVCache(_BaseCache):
         excess = self._flush_len() if excess is None else excess
         if excess <= 0:
             return
+        s = self.sink_len
         if self.key_mean is None:
-            # All tokens seen so far: the best estimate available at the
-            # moment the first token is quantized, fixed from then on.
-            # (shrunk toward 0 where it is within noise, see shrunk_mean).
-            self.key_mean = shrunk_mean(self.window_keys, axis=2)
-            self.value_mean = shrunk_mean(self.window_values, axis=2)
-        old_k = self.window_keys[:, :, :excess].astype(mx.float32) - self.key_mean
-        old_v = self.window_values[:, :, :excess].astype(mx.float32) - self.value_mean
+            # All tokens seen so far but the sinks: the best estimate
+            # available at the moment the first token is quantized, fixed
+            # from then on (shrunk toward 0 where it is within noise, see
+            # shrunk_mean).
+            self.key_mean = shrunk_mean(self.window_keys[:, :, s:], axis=2)
+            self.value_mean = shrunk_mean(self.window_values[:, :, s:], axis=2)
+        old_k = self.window_keys[:, :, s : s + excess].astype(mx.float32) - self.key_mean
+        old_v = self.window_values[:, :, s : s + excess].astype(mx.float32) - self.value_mean
         # The fused quantize kernel on a GPU, the codec (reference) elsewhere.
         k_packed, k_norms = launchers.quantize_any(old_k, self.key_codec)
         v_packed, v_norms = launchers.quantize_any(old_v, self.value_codec)
@@ -274,8 +307,8 @@ class TurboQuantKVCache(_BaseCache):
         self.values_packed[:, :, p : p + excess] = v_packed
         self.values_norms[:, :, p : p + excess] = v_norms
         self.packed_len = p + excess
-        self.window_keys = self.window_keys[:, :, excess:]
-        self.window_values = self.window_values[:, :, excess:]
+        self.window_keys = _drop(self.window_keys, s, excess)
+        self.window_values = _drop(self.window_values, s, excess)
 
     def make_mask(
         self, N: int, return_array: bool = False, window_size: Optional[int] = None
@@ -285,8 +318,8 @@ class TurboQuantKVCache(_BaseCache):
         Without a sliding window the packed history is entirely in the past
         of every query, so the mask only needs the window's columns (what
         the model sees as ``keys``; mlx-vlm slices masks to that length).
-        With ``window_size`` the mask covers all ``offset + N`` columns and
-        the attention splits it at ``packed_len``.
+        With ``window_size`` the mask covers all ``offset + N`` columns (in
+        position order) and the attention splits it (``masks.split_mask``).
         """
         if window_size is not None:
             return create_causal_mask(N, self.offset, window_size=window_size)
@@ -311,11 +344,11 @@ class TurboQuantKVCache(_BaseCache):
         ``packed_len`` (the pipeline trims back to the document after each task)."""
         n = min(self.offset, int(n))
         new_offset = self.offset - n
-        if new_offset >= self.packed_len:
-            keep = new_offset - self.packed_len
-        else:
-            self.packed_len = new_offset
-            keep = 0
+        sinks = min(self.sinks, new_offset)
+        self.packed_len = min(self.packed_len, new_offset - sinks)
+        # the exact tokens kept: the sinks, then the recent tokens left (none
+        # when the sinks themselves are trimmed: nothing is packed then)
+        keep = new_offset - self.packed_len
         if self.window_keys is not None:
             self.window_keys = self.window_keys[:, :, :keep]
             self.window_values = self.window_values[:, :, :keep]
@@ -392,7 +425,7 @@ class TurboQuantKVCache(_BaseCache):
     @state.setter
     def state(self, v) -> None:
         v = tuple(v)
-        if len(v) > len(self._ARRAYS):  # arrays + meta strings (8 or 9)
+        if len(v) > len(self._ARRAYS):  # arrays + meta strings
             self.meta_state = v[len(self._ARRAYS) :]
             v = v[: len(self._ARRAYS)]
         if len(v) != len(self._ARRAYS):
@@ -408,25 +441,34 @@ class TurboQuantKVCache(_BaseCache):
     @property
     def meta_state(self) -> tuple[str, ...]:
         dims = self._dims or (0, 0)
-        return tuple(
+        return (FORMAT,) + tuple(
             str(x)
             for x in (
-                self.key_bits, self.value_bits, self.window, self.seed,
+                self.key_bits, self.value_bits, self.window, self.sinks, self.seed,
                 self.offset, self.packed_len, dims[0], dims[1], self.quantizer,
             )
         )
 
     @meta_state.setter
     def meta_state(self, v) -> None:
-        v = tuple(v)
-        # caches saved before the quantizer field have 8 entries: scalar
-        quantizer = str(v[8]) if len(v) > 8 else "scalar"
+        v = tuple(str(x) for x in v)
+        if not v or v[0] != FORMAT:
+            found = v[0] if v and v[0].startswith("tqcache-") else "tqcache-1 (no version field)"
+            raise ValueError(
+                f"TurboQuantKVCache: this saved cache has format {found}; this tqpipe reads "
+                f"{FORMAT} only (the bit split and the exact attention sinks changed what the "
+                "saved arrays mean); prefill the document again to rebuild it"
+            )
+        if len(v) != 11:
+            raise ValueError(f"TurboQuantKVCache: {FORMAT} meta state has 11 fields, got {len(v)}")
+        quantizer = v[10]
         if quantizer not in QUANTIZERS:
             raise ValueError(
                 f"TurboQuantKVCache: saved quantizer {quantizer!r}; expected one of {QUANTIZERS}"
             )
-        kb, vb, window, seed, offset, packed_len, k_dim, v_dim = (int(x) for x in v[:8])
-        self._use_policy(KVQuantPolicy(key_bits=kb, value_bits=vb, quantizer=quantizer, window=window, seed=seed))
+        kb, vb, window, sinks, seed, offset, packed_len, k_dim, v_dim = (int(x) for x in v[1:10])
+        self._use_policy(KVQuantPolicy(key_bits=kb, value_bits=vb, quantizer=quantizer, window=window,
+                                       sinks=sinks, seed=seed))
         self._flush_batch = None  # a scheduling choice, not saved: the default
         self.hold = False
         self.offset, self.packed_len = offset, packed_len

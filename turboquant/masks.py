@@ -42,12 +42,15 @@ def apply_mask(scores: mx.array, mask: Optional[mx.array]) -> mx.array:
     return scores + mask.astype(scores.dtype)
 
 
-def split_mask(mask: Mask, L: int, n_packed: int, n_window: int):
+def split_mask(mask: Mask, L: int, n_packed: int, n_window: int, n_sinks: int = 0):
     """Return (packed_mask, window_mask) as None or arrays [..., L, cols].
 
     mlx-lm passes None, "causal" or an array.  Arrays over the window only
     (what ``TurboQuantKVCache.make_mask`` builds) leave the packed history
-    fully visible; arrays over all ``n_packed + n_window`` columns are split.
+    fully visible; arrays over all ``n_packed + n_window`` columns are in
+    position order -- the ``n_sinks`` attention sinks, the packed history,
+    the recent tokens -- and are split into the packed columns and the
+    window's (the sinks, then the recent tokens, as the cache holds them).
     """
     if mask is None:
         return None, None
@@ -62,8 +65,15 @@ def split_mask(mask: Mask, L: int, n_packed: int, n_window: int):
     if cols == n_window:
         return None, mask
     if cols == n_packed + n_window:
-        return mask[..., :n_packed], mask[..., n_packed:]
+        return mask[..., n_sinks : n_sinks + n_packed], sinks_first(mask, n_sinks, n_packed)
     raise ValueError(
         f"turboquant_attention: mask has {cols} key columns; expected the window "
         f"({n_window}) or packed + window ({n_packed + n_window})"
     )
+
+
+def sinks_first(mask: mx.array, n_sinks: int, n_packed: int) -> mx.array:
+    """The window's columns of a position-ordered full mask: sinks, then recent."""
+    if n_sinks == 0:
+        return mask[..., n_packed:]
+    return mx.concatenate([mask[..., :n_sinks], mask[..., n_sinks + n_packed :]], axis=-1)

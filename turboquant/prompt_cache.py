@@ -17,7 +17,7 @@ import mlx.nn as nn
 
 from .cache import TurboQuantKVCache
 from .integration import install
-from .policy import parse_kv_policy
+from .policy import SINK_TOKENS, parse_kv_policy
 
 
 def _plain_kv_types() -> tuple[type, ...]:
@@ -77,6 +77,7 @@ def make_prompt_cache(
     value_bits: Optional[int] = None,
     seed: int = 0,
     window: int = 128,
+    sinks: int = SINK_TOKENS,
     affine_group_size: int = 64,
     max_kv_size: Optional[int] = None,
     quantizer: str = "scalar",
@@ -86,7 +87,8 @@ def make_prompt_cache(
     The options are parsed once into a :class:`~turboquant.policy.KVQuantPolicy`
     (``parse_kv_policy``), which every cache built here holds.
     ``"turboquant"``: ``TurboQuantKVCache`` on every plain ``KVCache`` layer,
-    rotation seed ``seed + layer index``; also installs the attention hook
+    rotation seed ``seed + layer index``, the first ``sinks`` tokens and
+    the last ``window`` tokens exact; also installs the attention hook
     (``integration.install``).  ``"affine"``: mlx's
     ``QuantizedKVCache(affine_group_size, int(kv_bits))`` on the same layers
     (``affine.PaddedQuantizedKVCache``: padded to a round length on CUDA).
@@ -94,7 +96,7 @@ def make_prompt_cache(
     """
     policy = parse_kv_policy(
         kv_bits, kv_quant_scheme, key_bits=key_bits, value_bits=value_bits, quantizer=quantizer,
-        window=window, seed=seed, affine_group_size=affine_group_size,
+        window=window, sinks=sinks, seed=seed, affine_group_size=affine_group_size,
     )
     caches = _default_caches(model, max_kv_size)
     if policy.scheme == "fp16":

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from turboquant.packing import packed_words
+from turboquant.policy import SINK_TOKENS
 from turboquant.widths import resolve_bits
 
 FP16_BYTES = 2
@@ -55,9 +56,9 @@ def cache_nbytes_formula(geom: KVGeometry, spec: Any, tokens: int, *, exact_byte
     """Bytes the job's cache holds for ``tokens`` tokens once settled (the
     engine settles a TuroQuant cache before its first task, so records report this).
 
-    TurboQuant: tokens beyond the window packed (indices + one fp16 norm per
-    vector), the last ``window`` exact at ``exact_bytes`` per element, plus
-    the float32 centring means.  Affine: ``kv_bits`` per element plus a
+    TurboQuant: the first ``SINK_TOKENS`` (attention sinks) and the last
+    ``window`` tokens exact at ``exact_bytes`` per element, the others packed
+    (indices + one fp16 norm per vector), plus the float32 centring means.  Affine: ``kv_bits`` per element plus a
     scale and bias per group.  fp16: the model's dtype (``exact_bytes``:
     float32 on the CPU path, where even the "fp16" scheme holds 4 bytes).
     """
@@ -65,7 +66,7 @@ def cache_nbytes_formula(geom: KVGeometry, spec: Any, tokens: int, *, exact_byte
     scheme = spec.kv_quant_scheme
     if scheme == "turboquant":
         kb, vb = resolve_bits(spec.kv_bits, spec.key_bits, spec.value_bits)
-        exact = min(tokens, spec.window)
+        exact = min(tokens, spec.window + SINK_TOKENS)
         packed = tokens - exact
         packed_tok = 4 * (packed_words(geom.k_dim, kb) + packed_words(geom.v_dim, vb)) + 2 * FP16_BYTES
         exact_tok = (geom.k_dim + geom.v_dim) * exact_bytes
@@ -79,7 +80,7 @@ def cache_nbytes_formula(geom: KVGeometry, spec: Any, tokens: int, *, exact_byte
 
 
 def exact_tokens(cache: list) -> int | None:
-    """Tokens the first layer still holds uncompressed (TurboQuant's window), else None."""
+    """Tokens the first layer still holds uncompressed (TurboQuant's sinks and window), else None."""
     first = cache[0] if cache else None
     return int(first.window_len) if first is not None and hasattr(first, "window_len") else None
 

@@ -21,7 +21,7 @@ from turboquant.rotation import HadamardRotation
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(device.backend() is None, reason="needs an Apple (Metal) or NVIDIA (CUDA) GPU")]
-WIDTHS = [(2, 2), (2, 3), (3, 3), (3, 4), (4, 4)]  # kv_bits 2, 2.5, 3, 3.5, 4
+WIDTHS = [(2, 2), (3, 2), (3, 3), (4, 3), (4, 4), (2, 3), (3, 4)]  # presets 2, 2.5, 3, 3.5, 4; other splits
 
 
 def cuda_only():
@@ -71,7 +71,7 @@ def test_decode_matches_reference(bits, d, gqa, route):
         assert np.abs(np.asarray(lse) - rl).max() < 10 * tol * max(1.0, np.abs(rl).max())
 
 
-@pytest.mark.parametrize("bits", [(3, 4), (2, 3)])
+@pytest.mark.parametrize("bits", [(4, 3), (3, 2), (3, 4), (2, 3)])
 @pytest.mark.parametrize("rows", [9, 40, 256])
 def test_tensor_core_kernel_tiles_many_query_rows(bits, rows):
     """Prefill chunks: rows in tiles of 16 (the last one partial), one grid row per tile."""
@@ -81,7 +81,7 @@ def test_tensor_core_kernel_tiles_many_query_rows(bits, rows):
                  route=Route.TC)
 
 
-@pytest.mark.parametrize("bits", [(3, 4), (2, 3), (4, 4)])
+@pytest.mark.parametrize("bits", [(4, 3), (3, 2), (3, 4), (2, 3), (4, 4)])
 @pytest.mark.parametrize("blocks,nw", [(2, 8), (64, 4), (64, 8)])
 def test_tc8_long_splits_and_fused_reduction(bits, blocks, nw):
     """tc8 with few threadgroups (each warp loops over many chunks) and with

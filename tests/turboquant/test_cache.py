@@ -4,8 +4,9 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 
-from turboquant.cache import TurboQuantKVCache
+from turboquant.cache import FORMAT, TurboQuantKVCache
 from turboquant.integration import install
+from turboquant.policy import SINK_TOKENS
 
 
 def kv(B=1, H=2, L=10, D=64, seed=0, dtype=mx.float32):
@@ -19,7 +20,7 @@ def test_no_bits_attribute_and_protocol_basics():
     c = TurboQuantKVCache(3.5)
     # mlx-lm routes hasattr(cache, "bits") to affine attention
     assert not hasattr(c, "bits")
-    assert (c.key_bits, c.value_bits) == (3, 4)
+    assert (c.key_bits, c.value_bits) == (4, 3) and c.sinks == SINK_TOKENS
     assert c.empty() and c.is_trimmable() and c.offset == 0
     k, v = kv(L=5)
     wk, wv = c.update_and_fetch(k, v)
@@ -28,7 +29,7 @@ def test_no_bits_attribute_and_protocol_basics():
 
 
 def test_window_keeps_recent_tokens_exact_and_flushes_lazily():
-    c = TurboQuantKVCache(4, window=8)
+    c = TurboQuantKVCache(4, window=8, sinks=0)
     k1, v1 = kv(L=20, seed=1)
     wk, _ = c.update_and_fetch(k1, v1)
     # the first chunk attends to itself exactly: nothing quantized yet
@@ -48,7 +49,7 @@ def test_window_keeps_recent_tokens_exact_and_flushes_lazily():
 
 
 def test_packed_history_decodes_to_the_original_tokens():
-    c = TurboQuantKVCache(4, window=0)
+    c = TurboQuantKVCache(4, window=0, sinks=0)
     k, v = kv(L=64, H=2, D=128, seed=3)
     c.update_and_fetch(k, v)
     c.update_and_fetch(*kv(L=1, H=2, D=128, seed=4))
@@ -59,7 +60,7 @@ def test_packed_history_decodes_to_the_original_tokens():
 
 
 def test_growth_is_geometric_not_per_token():
-    c = TurboQuantKVCache(2, window=0)
+    c = TurboQuantKVCache(2, window=0, sinks=0)
     for i in range(3000):
         c.update_and_fetch(*kv(L=1, D=64, seed=i % 7))
     mx.eval(c.state)
@@ -70,7 +71,7 @@ def test_growth_is_geometric_not_per_token():
 
 
 def test_reserve_avoids_regrowth():
-    c = TurboQuantKVCache(3, window=4)
+    c = TurboQuantKVCache(3, window=4, sinks=0)
     c.reserve(5000)
     for i in range(40):
         c.update_and_fetch(*kv(L=100, seed=i % 5))
@@ -79,7 +80,7 @@ def test_reserve_avoids_regrowth():
 
 
 def test_trim_within_window_and_into_packed_region():
-    c = TurboQuantKVCache(3.5, window=4)
+    c = TurboQuantKVCache(3.5, window=4, sinks=0)
     k, v = kv(L=10)
     c.update_and_fetch(k, v)
     c.update_and_fetch(*kv(L=2, seed=5))  # packed 6, window 6
@@ -99,10 +100,13 @@ def test_nbytes_counts_allocation_and_used_nbytes_counts_tokens():
     c.update_and_fetch(*kv(L=300, H=H, D=D))
     c.update_and_fetch(*kv(L=1, H=H, D=D, seed=1))
     mx.eval(c.state)
-    # 3-bit keys: 12 words + fp16 norm = 50 B; 4-bit values: 16 words + 2 = 66 B
-    per_token = H * (50 + 66)
+    # 4-bit keys: 16 words + fp16 norm = 66 B; 3-bit values: 12 words + 2 = 50 B
+    per_token = H * (66 + 50)
+    # the exact tokens: the sinks and the newest token, float32 keys and values
+    assert c.window_keys.shape[2] == SINK_TOKENS + 1
     window_and_means = c.window_keys.nbytes * 2 + c.key_mean.nbytes * 2
-    assert c.used_nbytes == 300 * per_token + window_and_means
+    assert window_and_means == (SINK_TOKENS + 1) * H * D * 4 * 2 + H * D * 4 * 2
+    assert c.used_nbytes == (300 - SINK_TOKENS) * per_token + window_and_means
     assert c.nbytes == c.capacity * per_token + window_and_means
     assert c.nbytes >= c.used_nbytes
 
@@ -116,8 +120,8 @@ def test_state_round_trips_through_mlx_lm_save_and_load(tmp_path):
     save_prompt_cache(path, [c])
     (d,) = load_prompt_cache(path)
     assert isinstance(d, TurboQuantKVCache)
-    assert (d.offset, d.packed_len, d.window, d.seed) == (32, 25, 5, 11)
-    assert (d.key_bits, d.value_bits) == (2, 3)
+    assert (d.offset, d.packed_len, d.window, d.sinks, d.seed) == (32, 30 - 5 - SINK_TOKENS, 5, SINK_TOKENS, 11)
+    assert (d.key_bits, d.value_bits) == (3, 2) and d.meta_state[0] == FORMAT
     for a, b in zip(c.state[:8], d.state[:8]):
         assert mx.array_equal(a, b)
     # both continue identically
@@ -162,3 +166,50 @@ def test_checkpoint_restore_undoes_flushes_that_trim_cannot():
     cache.restore(point)
     assert (cache.offset, cache.packed_len) == before[:2]
     assert mx.array_equal(cache.window_keys, before[2])
+
+
+def test_sinks_stay_exact_at_the_front_of_the_window():
+    """The first tokens never leave the exact tokens, whatever the window:
+    prefill, decode past the window, then trim back."""
+    c = TurboQuantKVCache(3.5, window=0, sinks=3)
+    k, v = kv(L=20, seed=4)
+    wk, _ = c.update_and_fetch(k[:, :, :2], v[:, :, :2])  # fewer tokens than sinks
+    assert c.sink_len == 2 and wk.shape[2] == 2
+    c.update_and_fetch(k[:, :, 2:12], v[:, :, 2:12])
+    for t in range(12, 20):  # decode, window 0: every older token but the sinks is packed
+        wk, wv = c.update_and_fetch(k[:, :, t : t + 1], v[:, :, t : t + 1])
+    assert (c.sink_len, c.packed_len, c.offset) == (3, 20 - 3 - 1, 20)
+    assert mx.array_equal(wk, mx.concatenate([k[:, :, :3], k[:, :, 19:]], axis=2))
+    assert mx.array_equal(wv, mx.concatenate([v[:, :, :3], v[:, :, 19:]], axis=2))
+    # packed token j is token 3 + j: the sinks left the mean and the codes alone
+    from turboquant.cache import shrunk_mean
+
+    assert mx.allclose(c.key_mean, shrunk_mean(k[:, :, 3:12], axis=2), atol=1e-6)
+    kh = c.key_codec.dequantize(c.keys_packed[:, :, :16], c.keys_norms[:, :, :16]) + c.key_mean
+    cos = (kh * k[:, :, 3:19]).sum(-1) / (mx.linalg.norm(kh, axis=-1) * mx.linalg.norm(k[:, :, 3:19], axis=-1))
+    assert cos.min().item() > 0.97
+    # trim within the packed region keeps the sinks; into the sinks drops the history
+    assert c.trim(6) == 6
+    assert (c.sink_len, c.packed_len, c.window_keys.shape[2]) == (3, 11, 3)
+    assert mx.array_equal(c.window_keys, k[:, :, :3])
+    assert c.trim(12) == 12
+    assert (c.offset, c.sink_len, c.packed_len, c.window_keys.shape[2]) == (2, 2, 0, 2)
+    wk, _ = c.update_and_fetch(k[:, :, 2:5], v[:, :, 2:5])
+    assert mx.array_equal(wk, k[:, :, :5]) and c.packed_len == 0
+
+
+def test_saved_caches_of_another_format_are_refused(tmp_path):
+    """A cache saved by an older tqpipe (no format field: the 3/4 split and
+    no sinks) or a newer one is refused by name, never misread."""
+    c = TurboQuantKVCache(3, window=4)
+    c.update_and_fetch(*kv(L=10))
+    c.update_and_fetch(*kv(L=1, seed=1))
+    arrays, meta = c.state[:8], c.meta_state
+    assert meta[0] == FORMAT == "tqcache-2"
+    old = ("3", "4", "4", "0", "11", "2", "64", "64", "scalar")  # format 1: 9 fields
+    for saved, found in ((old, "tqcache-1"), (old[:8], "tqcache-1"), (("tqcache-3",) + meta[1:], "tqcache-3")):
+        with pytest.raises(ValueError, match=f"format {found}.*reads tqcache-2.*prefill the document again"):
+            TurboQuantKVCache.from_state(arrays, saved)
+        with pytest.raises(ValueError, match=f"format {found}"):
+            TurboQuantKVCache.from_state(arrays + saved)  # as mlx-lm's load_prompt_cache passes it
+    assert TurboQuantKVCache.from_state(arrays, meta).packed_len == c.packed_len

@@ -11,6 +11,7 @@ from mlx_lm.models.cache import KVCache, QuantizedKVCache, load_prompt_cache, sa
 import turboquant.integration as integration
 from tiny_models import prompt_tokens, tiny_llama
 from turboquant import TurboQuantKVCache, make_prompt_cache
+from turboquant.policy import SINK_TOKENS
 from turboquant.widths import ALLOWED_KV_BITS
 
 WINDOW = 16  # small, so most of each prompt is served from packed codes
@@ -77,7 +78,7 @@ def test_install_is_idempotent_and_rebinds_imported_model_modules(monkeypatch, d
     q = mx.random.normal((1, 4, 1, 64))
     for module in (llama_mod, qwen2_vl_lang):
         module.scaled_dot_product_attention(q, wk, wv, c, scale=0.125, mask=None)
-    assert dispatch_count == [20, 20]
+    assert dispatch_count == [20 - SINK_TOKENS] * 2  # packed: all but the sinks
 
 
 def test_other_caches_go_to_the_original_unchanged():

@@ -22,7 +22,7 @@ def test_turboquant_converts_every_plain_layer_with_per_layer_seeds(llama):
     caches = make_prompt_cache(llama, kv_bits=2.5, seed=10, window=32)
     assert [type(c) for c in caches] == [TurboQuantKVCache] * 3
     assert [c.seed for c in caches] == [10, 11, 12]
-    assert all((c.key_bits, c.value_bits, c.window) == (2, 3, 32) for c in caches)
+    assert all((c.key_bits, c.value_bits, c.window) == (3, 2, 32) for c in caches)
 
 
 def test_separate_key_and_value_widths(llama):

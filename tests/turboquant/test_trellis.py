@@ -13,6 +13,7 @@ from tiny_models import prompt_tokens, tiny_llama
 from turboquant import TurboQuantKVCache, make_prompt_cache
 from turboquant.attention import Route, choose
 from turboquant.attention.launchers import supports_quantize
+from turboquant.policy import SINK_TOKENS
 from turboquant.attention.route import describe
 from turboquant.attention import turboquant_attention
 from turboquant.cache import shrunk_mean
@@ -144,7 +145,7 @@ def tcq_cache(bits=3.5, H_kv=2, D=64, n=150, L=3, window=16, seed=0):
 @pytest.mark.parametrize("mask", [None, "causal"])
 def test_attention_on_tcq_cache_equals_dense_on_dequantized(mask):
     c, wk, wv = tcq_cache()
-    assert isinstance(c.key_codec, TrellisCodec) and c.packed_len == 150 - 16
+    assert isinstance(c.key_codec, TrellisCodec) and c.packed_len == 150 - 16 - SINK_TOKENS
     q = mx.random.normal((1, 8, 3, 64))
     out = turboquant_attention(q, wk, wv, c, scale=0.125, mask=mask)
     close(out, dense_reference(q, c, wk, wv, 0.125, mask))
@@ -169,11 +170,13 @@ def test_tcq_cache_save_load_round_trip(tmp_path):
     assert mx.array_equal(turboquant_attention(q, *wc, c, 0.125), turboquant_attention(q, *wd, d, 0.125))
 
 
-def test_old_meta_state_loads_as_scalar_and_bad_quantizer_is_rejected():
-    c = TurboQuantKVCache(3, window=4)
+def test_saved_quantizer_round_trips_and_bad_quantizer_is_rejected():
+    c = TurboQuantKVCache(3, window=4, quantizer="tcq")
     c.update_and_fetch(mx.random.normal((1, 1, 10, 64)), mx.random.normal((1, 1, 10, 64)))
-    old = TurboQuantKVCache.from_state(c.state[:8], c.meta_state[:8])
-    assert old.quantizer == "scalar" and isinstance(old.key_codec, TurboQuantCodec)
+    again = TurboQuantKVCache.from_state(c.state[:8], c.meta_state)
+    assert again.quantizer == "tcq" and isinstance(again.key_codec, TrellisCodec)
+    with pytest.raises(ValueError, match="saved quantizer 'vq'"):
+        TurboQuantKVCache.from_state(c.state[:8], c.meta_state[:-1] + ("vq",))
     with pytest.raises(ValueError, match="scalar.*tcq"):
         TurboQuantKVCache(3, quantizer="vq")
     with pytest.raises(ValueError, match="scalar, tcq"):

@@ -5,7 +5,7 @@ from turboquant.widths import ALLOWED_KV_BITS, resolve_bits
 
 @pytest.mark.parametrize(
     "kv_bits,expected",
-    [(2, (2, 2)), (2.5, (2, 3)), (3, (3, 3)), (3.5, (3, 4)), (4, (4, 4)), (4.0, (4, 4))],
+    [(2, (2, 2)), (2.5, (3, 2)), (3, (3, 3)), (3.5, (4, 3)), (4, (4, 4)), (4.0, (4, 4))],
 )
 def test_presets(kv_bits, expected):
     assert resolve_bits(kv_bits) == expected
@@ -16,7 +16,7 @@ def test_allowed_values_listed():
 
 
 def test_default_is_3_5():
-    assert resolve_bits() == (3, 4)
+    assert resolve_bits() == (4, 3)
 
 
 def test_separate_widths_and_overrides():
@@ -24,7 +24,8 @@ def test_separate_widths_and_overrides():
     assert resolve_bits(key_bits=3) == (3, 3)
     assert resolve_bits(value_bits=2) == (2, 2)
     assert resolve_bits(3, value_bits=4) == (3, 4)
-    assert resolve_bits(2.5, key_bits=4) == (4, 3)
+    assert resolve_bits(2.5, key_bits=4) == (4, 2)
+    assert resolve_bits(3.5, key_bits=3) == (3, 3)
 
 
 @pytest.mark.parametrize("bad", [1.5, 5, 8, 0, 3.25, "3.5", None.__class__, True])

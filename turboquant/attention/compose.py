@@ -13,7 +13,7 @@ from typing import Optional
 import mlx.core as mx
 
 from . import launchers, table
-from ..masks import apply_mask
+from ..masks import apply_mask, sinks_first
 from .pair_tables import centroids
 from .route import Route
 
@@ -123,15 +123,20 @@ def split_k_attention(queries, window_keys, window_values, cache, scale, window_
     return out.reshape(B, H_q, L, -1).astype(queries.dtype)
 
 
-def full_mask(mask, n_packed: int, n_window: int, L: int):
-    """The mask for one SDPA over ``[history; window]``: None, "causal" or an array."""
+def full_mask(mask, n_packed: int, n_window: int, L: int, n_sinks: int = 0):
+    """The mask for one SDPA over ``[history; window]``: None, "causal" or an
+    array (a position-ordered full mask has its ``n_sinks`` sink columns moved
+    behind the history, where the window holds them)."""
     if mask is None or isinstance(mask, str):
         if isinstance(mask, str) and mask != "causal":
             raise ValueError(f"turboquant_attention: unknown mask mode {mask!r}")
         return mask if L > 1 else None  # "causal" is bottom-right aligned in MLX
     cols = mask.shape[-1]
     if cols == n_packed + n_window:
-        return mask
+        if n_sinks == 0:
+            return mask
+        return mx.concatenate([mask[..., n_sinks : n_sinks + n_packed],
+                               sinks_first(mask, n_sinks, n_packed)], axis=-1)
     if cols != n_window:
         raise ValueError(
             f"turboquant_attention: mask has {cols} key columns; expected the window "
@@ -166,5 +171,7 @@ def dequant_sdpa_attention(queries, window_keys, window_values, cache, scale, ma
     keys = mx.concatenate([k_hist, cache.rotation.forward(window_keys).astype(dtype)], axis=2)
     values = mx.concatenate([v_hist, vrot.forward(window_values).astype(dtype)], axis=2)
     q_rot = cache.rotation.forward(queries).astype(dtype)
-    out = mx.fast.scaled_dot_product_attention(q_rot, keys, values, scale=scale, mask=full_mask(mask, P, W, L))
+    out = mx.fast.scaled_dot_product_attention(
+        q_rot, keys, values, scale=scale, mask=full_mask(mask, P, W, L, cache.sink_len)
+    )
     return vrot.inverse(out).astype(dtype)

@@ -29,7 +29,7 @@ def turboquant_attention(
             return out
     B, H_q, L, _ = queries.shape
     H_kv, W = window_keys.shape[1], window_keys.shape[2]
-    packed_mask, window_mask = split_mask(mask, L, cache.packed_len, W)
+    packed_mask, window_mask = split_mask(mask, L, cache.packed_len, W, cache.sink_len)
     call = describe(queries, window_keys, window_values, cache, packed_mask, window_mask, sinks,
                     device.on_gpu())
     route = choose(call, device.backend(), device.mode())

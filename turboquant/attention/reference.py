@@ -147,7 +147,7 @@ def reference_attention(
     G = H_q // H_kv
     M = G * L
     P = cache.packed_len
-    packed_mask, window_mask = split_mask(mask, L, P, W)
+    packed_mask, window_mask = split_mask(mask, L, P, W, cache.sink_len)
     if packed_mask is not None:
         packed_mask = as_5d(packed_mask, B, H_kv, G)
     if window_mask is not None:

@@ -11,6 +11,7 @@ from pipeline.cli import main
 from pipeline.inference.kv_size import KVGeometry, cache_nbytes_formula, describe
 from pipeline.inputs.job_file import load_job
 from pipeline.models.load import read_config
+from turboquant.policy import SINK_TOKENS
 
 from pipeline.inputs.samples import make_text_pdf
 
@@ -53,7 +54,7 @@ def test_records_carry_fp16_bytes_and_the_formula_matches_them(tmp_path, tiny_vl
     else:  # mlx-lm's caches grow in steps of 256 tokens; their nbytes includes that slack
         assert predicted <= cache["nbytes_after_prefill"] <= predicted * (n + 256) / n
     if scheme == "turboquant":
-        assert cache["exact_tokens"] == min(n, spec.window)  # settled before the first task
+        assert cache["exact_tokens"] == min(n, spec.window + SINK_TOKENS)  # settled before the first task
         assert "still exact" in describe(cache) and "fp16" in describe(cache)
         dry = CliRunner().invoke(main, ["run", str(tmp_path / "job.yaml"), "--dry-run"])
         mib = lambda b: f"{b / 2**20:.1f}MiB"  # noqa: E731

@@ -5,13 +5,14 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
-from packed_fixtures import codec_quantize, fake_decode, fake_dequant, filled_cache, rel
+from packed_fixtures import close, codec_quantize, dense_reference, fake_decode, fake_dequant, filled_cache, rel
 
 from turboquant.attention import compose, device, launchers, table, turboquant_attention
 from turboquant.attention.pair_tables import pair_table
 from turboquant.attention.reference import reference_attention
 from turboquant.codebooks import codebook
 from turboquant.codec import TurboQuantCodec
+from turboquant.policy import SINK_TOKENS
 from turboquant.rotation import HadamardRotation
 
 
@@ -31,7 +32,7 @@ def cpu_kernels(monkeypatch):
 
 @pytest.mark.parametrize("backend,L,mask", [("metal", 1, None), ("metal", 2, "causal"), ("metal", 64, "causal"),
                                             ("metal", 3, "array"), ("cuda", 2, "causal"), ("cuda", 64, "causal"),
-                                            ("cuda", 3, "array")])
+                                            ("cuda", 3, "array"), ("metal", 3, "full"), ("cuda", 5, "full")])
 def test_glue_matches_reference_on_cpu(cpu_kernels, backend, L, mask):
     """The kernel routes' Python glue (rotation, centring, window merge, masks,
     SDPA over [history; window]) with the kernels replaced by MLX ops must
@@ -43,10 +44,17 @@ def test_glue_matches_reference_on_cpu(cpu_kernels, backend, L, mask):
     if mask == "array":  # built before the update, as models do
         mask = cache.make_mask(L, return_array=True)
     wk, wv = cache.update_and_fetch(k, k * 0.5 - 0.2)
+    if mask == "full":  # position order (sinks, packed, recent), hiding some history and a sink
+        n = cache.offset
+        mask = (mx.arange(n - L, n)[:, None] >= mx.arange(n)[None]) & (mx.arange(n) % 3 != 1)
+        mask = mask | (mx.arange(n)[None] == mx.arange(n - L, n)[:, None])
+        assert cache.sink_len == SINK_TOKENS and not mask[0, 1].item()
     q = mx.random.normal((1, h_kv * g, L, d))
     out = turboquant_attention(q, wk, wv, cache, d**-0.5, mask)
     ref = reference_attention(q, wk, wv, cache, d**-0.5, mask)
     assert rel(out, ref) < 1e-5
+    if not isinstance(mask, str) and mask is not None and mask.shape[-1] == cache.offset:
+        close(ref, dense_reference(q, cache, wk, wv, d**-0.5, mask), tol=1e-4)  # columns in position order
 
 
 def test_prefill_never_holds_more_than_the_dequant_limit(cpu_kernels, monkeypatch):
@@ -127,7 +135,7 @@ def test_cache_flush_goes_through_the_quantize_hook(monkeypatch):
     k = mx.random.normal((1, 2, 10, 64))
     cache.update_and_fetch(k, k)
     cache.update_and_fetch(k[:, :, :1], k[:, :, :1])
-    assert cache.packed_len == 6 and seen == [3, 4]
+    assert cache.packed_len == 6 - SINK_TOKENS and seen == [4, 3]  # 3.5 bits: 4-bit keys, 3-bit values
 
 
 def test_reference_fallback(monkeypatch):

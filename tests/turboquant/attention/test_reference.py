@@ -7,6 +7,7 @@ import turboquant.attention.reference as tqa
 from packed_fixtures import close, dense_reference
 from turboquant.attention import turboquant_attention
 from turboquant.cache import TurboQuantKVCache
+from turboquant.policy import SINK_TOKENS
 
 
 def filled_cache(bits, H_kv, D, n_first, n_then, window, seed=0, offsets=True, flush_batch=1,
@@ -30,7 +31,7 @@ def test_matches_dense_attention_on_dequantized_cache(G, L, bits, monkeypatch):
     monkeypatch.setattr(tqa, "BLOCK", 48)  # several blocks + a ragged tail
     H_kv, D = 2, 64
     c, wk, wv = filled_cache(bits, H_kv, D, n_first=150, n_then=L, window=16)
-    assert c.packed_len == 134
+    assert c.packed_len == 150 - 16 - SINK_TOKENS  # the first tokens stay exact
     q = mx.random.normal((1, H_kv * G, L, D))
     mask = "causal" if L > 1 else None
     out = turboquant_attention(q, wk, wv, c, D**-0.5, mask)
@@ -45,7 +46,7 @@ def test_slot_layouts_with_pad_slots_match_dense_attention(quantizer, bits, D):
     there and the value sum drops them; odd head dims leave ragged words."""
     H_kv, G, L = 2, 4, 5
     c, wk, wv = filled_cache(bits, H_kv, D, n_first=140, n_then=L, window=16, quantizer=quantizer)
-    assert c.quantizer == quantizer and c.packed_len == 140 - 16
+    assert c.quantizer == quantizer and c.packed_len == 140 - 16 - SINK_TOKENS
     q = mx.random.normal((1, H_kv * G, L, D))
     full = mx.random.uniform(shape=(L, c.packed_len + wk.shape[2])) > 0.3  # reaches into history
     full[:, -1] = True  # no row fully masked
@@ -91,7 +92,7 @@ def test_make_mask_output_is_understood(monkeypatch):
 @pytest.mark.parametrize("n_first,n_then,window", [(5, 1, 8), (8, 1, 8), (9, 1, 8), (30, 4, 0)])
 def test_window_boundaries(n_first, n_then, window):
     c, wk, wv = filled_cache(4, 2, 64, n_first, n_then, window)
-    assert c.packed_len == max(0, n_first - window)
+    assert c.packed_len == max(0, n_first - window - SINK_TOKENS)
     q = mx.random.normal((1, 4, n_then, 64))
     mask = "causal" if n_then > 1 else None
     close(turboquant_attention(q, wk, wv, c, 0.125, mask),
@@ -103,7 +104,7 @@ def test_decode_tokens_wait_for_a_batch_before_quantizing():
     (window // 2) tokens past the window are quantized together, never one
     launch per step, and the attention stays exact either way."""
     mx.random.seed(5)
-    c = TurboQuantKVCache(3.5, window=8, seed=0)
+    c = TurboQuantKVCache(3.5, window=8, seed=0, sinks=0)
     assert c.flush_batch == 4
     c.update_and_fetch(mx.random.normal((1, 2, 20, 64)), mx.random.normal((1, 2, 20, 64)))
     c.update_and_fetch(mx.random.normal((1, 2, 1, 64)), mx.random.normal((1, 2, 1, 64)))
@@ -216,7 +217,7 @@ def test_prefill_chunk_memory_is_bounded_by_the_chunk():
     its inverse rotation) -- measured 12.3 MB -- where dequantizing the
     history would take 33.5 MB (and grow with it)."""
     H_kv, G, D, N, L = 4, 4, 128, 8192, 256
-    c = TurboQuantKVCache(3.5, window=128)
+    c = TurboQuantKVCache(key_bits=3, value_bits=4, window=128)  # the split measured above
     mx.random.seed(1)
     c.update_and_fetch(mx.random.normal((1, H_kv, N, D)), mx.random.normal((1, H_kv, N, D)))
     mx.eval(c.state)

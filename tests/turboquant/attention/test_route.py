@@ -120,6 +120,6 @@ def test_describe_reads_the_call(monkeypatch):
     q = mx.random.normal((1, 8, 1, 128)).astype(mx.float16)
     c = describe(q, wk, wv, cache, None, None, None, True)
     assert (c.rows, c.packed, c.window, c.key_bits, c.value_bits, c.itemsize) == (4, cache.packed_len,
-                                                                                  wk.shape[2], 3, 4, 2)
+                                                                                  wk.shape[2], 4, 3, 2)
     assert c.hadamard and c.scalar_codes and c.capacity == cache.keys_norms.shape[2]
     assert choose(c, "cuda", "auto") is Route.FUSED_STEP
