@@ -1,0 +1,1 @@
+"""From a document to answers: prompt assembly, the prefill-once engine, output extraction."""
