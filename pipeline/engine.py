@@ -17,6 +17,13 @@ own short suffix (the question) and decodes.  So the engine
    document exactly as prefilled.  Caches that cannot trim are restored from
    a snapshot of their state instead.
 
+Document caches: with a store (``pipeline.inference.doc_cache``) and a key,
+the engine first looks the document up; a hit loads the prefilled cache and
+goes straight to the tasks (no forward pass over the document), a miss
+prefills and stores the cache before the first task, so a crash in a task
+still leaves it for the rerun.  A loaded cache is the saved one bit for bit,
+so its answers equal a fresh prefill's.
+
 Exactness of the rewind for TurboQuant: its exact window of recent tokens
 moves into packed (quantized) storage as the task tokens push it out, and a
 plain ``trim`` cannot un-quantize them.  After prefill we therefore keep
@@ -38,6 +45,7 @@ chunk and continued after the document with its ``rope_deltas`` offset.
 from __future__ import annotations
 
 import inspect
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
@@ -46,6 +54,9 @@ import mlx.core as mx
 
 from .context import DocumentPrompt, concat_image_inputs
 from .errors import TqpipeError
+from pipeline.inference.doc_cache import DocCacheStore, DocKey
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -70,6 +81,7 @@ class _Prefilled:
     pos_ndim: int = 2
     snapshot: list | None = field(default=None, repr=False)
     windows: list | None = field(default=None, repr=False)
+    doc_cache: dict | None = None  # the store's part of the record: hit, load_s / save_s, entry
 
 
 def _make_cache(model: Any, spec: Any) -> list:
@@ -95,13 +107,16 @@ class Engine:
 
     ``prefill_count`` and ``tokens_forwarded`` count work actually done, so
     tests (and benchmarks) can check that a document is read once no matter
-    how many tasks ask about it.
+    how many tasks ask about it; ``cache_loads`` counts document caches
+    loaded from ``store`` instead.
     """
 
-    def __init__(self, loaded: Any, cache_spec: Any, *, seed: int = 0):
+    def __init__(self, loaded: Any, cache_spec: Any, *, seed: int = 0, store: DocCacheStore | None = None):
         self.loaded = loaded
         self.cache_spec = cache_spec
         self.seed = seed
+        self.store = store
+        self.cache_loads = 0
         self.lm = loaded.model.language_model if loaded.kind == "vlm" else loaded.model
         self.backbone = getattr(self.lm, "model", None)
         params = _param_names(self.backbone.__call__) if self.backbone is not None else set()
@@ -180,18 +195,66 @@ class Engine:
                 on_tokens(end - start)
         pos_ndim = 2 if positions is None else positions.ndim
         self.prefill_count += 1
+        return self._prefilled(total, time.perf_counter() - t0, pos_delta, pos_ndim)
+
+    def _prefilled(self, length: int, prefill_s: float, pos_delta: int | None, pos_ndim: int) -> _Prefilled:
+        """The document state of the cache now in ``self.cache``, with what a rewind needs."""
         self.allocated_after_prefill = self.cache_allocated()
-        state = _Prefilled(
-            length=total,
-            prefill_s=time.perf_counter() - t0,
-            nbytes=self.cache_nbytes(),
-            pos_delta=pos_delta,
-            pos_ndim=pos_ndim,
-        )
+        state = _Prefilled(length=length, prefill_s=prefill_s, nbytes=self.cache_nbytes(),
+                           pos_delta=pos_delta, pos_ndim=pos_ndim)
         if not all(c.is_trimmable() for c in self.cache):
             state.snapshot = [(_copy_state(c.state), c.meta_state) for c in self.cache]
         else:
             state.windows = [c.checkpoint() if hasattr(c, "checkpoint") else None for c in self.cache]
+        return state
+
+    # -- document cache store ---------------------------------------------------
+    def load_cached(self, prompt: DocumentPrompt, key: DocKey, *, reserve: int = 0) -> _Prefilled | None:
+        """The document's stored cache as a prefilled state, or None on a miss.
+
+        The loaded layers must be the classes this model and cache spec
+        would build (the key says they are; a mismatch is still a miss).
+        """
+        hit = self.store.load(key, prompt.prefix_ids)
+        if hit is None:
+            return None
+        fresh = _make_cache(self.loaded.model, self.cache_spec)  # also installs the attention hook
+        if [type(c) for c in fresh] != [type(c) for c in hit.caches]:
+            logger.warning("document cache %s: its layers do not match this model; prefilling instead", hit.path)
+            return None
+        self.cache = hit.caches
+        total = len(prompt.prefix_ids)
+        for c in self.cache:
+            if hasattr(c, "reserve"):
+                c.reserve(total + reserve)
+        self.cache_loads += 1
+        state = self._prefilled(total, 0.0, hit.info.get("pos_delta"), int(hit.info.get("pos_ndim", 2)))
+        state.doc_cache = {"hit": True, "load_s": round(hit.load_s, 4), "entry": hit.path.stem}
+        return state
+
+    def save_cached(self, prompt: DocumentPrompt, key: DocKey, state: _Prefilled, info: dict | None = None) -> None:
+        """Store the freshly prefilled cache under ``key`` (errors are logged, never raised)."""
+        t0 = time.perf_counter()
+        meta = {"length": state.length, "pos_delta": state.pos_delta, "pos_ndim": state.pos_ndim,
+                "prefill_s": round(state.prefill_s, 4), **(info or {})}
+        path = self.store.save(key, self.cache, prompt.prefix_ids, meta)
+        state.doc_cache = {"hit": False, "saved": path is not None, "save_s": round(time.perf_counter() - t0, 4),
+                           "entry": key.digest()}
+
+    def prepare(self, prompt: DocumentPrompt, *, reserve: int = 0, key: DocKey | None = None,
+                info: dict | None = None, on_tokens: Callable[[int], None] | None = None) -> _Prefilled:
+        """The document in the cache: loaded from the store when it holds ``key``,
+        else prefilled (and then stored).  ``info`` goes into a new entry's listing."""
+        use_store = self.store is not None and key is not None
+        if use_store:
+            state = self.load_cached(prompt, key, reserve=reserve)
+            if state is not None:
+                if on_tokens is not None:
+                    on_tokens(state.length)
+                return state
+        state = self.prefill(prompt, reserve=reserve, on_tokens=on_tokens)
+        if use_store:
+            self.save_cached(prompt, key, state, info)
         return state
 
     def _mrope_positions(self, ids: mx.array, prompt: DocumentPrompt) -> tuple[mx.array | None, int | None]:
@@ -282,10 +345,10 @@ class Engine:
             finish_reason=finish,
             tokens={"document": state.length, "task_prompt": len(task_ids), "generated": len(out)},
             timing={"prefill_s": round(state.prefill_s, 4), "task_prefill_s": round(t1 - t0, 4), "decode_s": round(t2 - t1, 4)},
-            cache=self.cache_record(state.nbytes, nbytes_end),
+            cache=self.cache_record(state.nbytes, nbytes_end, state.doc_cache),
         )
 
-    def cache_record(self, nbytes_prefill: int, nbytes_end: int | None = None) -> dict:
+    def cache_record(self, nbytes_prefill: int, nbytes_end: int | None = None, doc_cache: dict | None = None) -> dict:
         spec = self.cache_spec
         rec = {
             "scheme": spec.kv_quant_scheme,
@@ -299,6 +362,8 @@ class Engine:
                        quantizer=spec.quantizer)
         if nbytes_end is not None:
             rec["nbytes_end_of_task"] = nbytes_end
+        if doc_cache is not None:
+            rec["doc_cache"] = doc_cache
         return rec
 
     def iter_process(
@@ -308,10 +373,13 @@ class Engine:
         *,
         on_prefill: Callable[[int], None] | None = None,
         on_token: Callable[[int], None] | None = None,
+        key: DocKey | None = None,
+        info: dict | None = None,
     ) -> Iterator[TaskResult]:
-        """Prefill ``prompt`` once, then yield each task's result as soon as it is done."""
+        """Prefill ``prompt`` once (or load it: ``prepare``), then yield each
+        task's result as soon as it is done."""
         reserve = max(len(prompt.task_ids[t.name]) + t.max_tokens for t in tasks)
-        state = self.prefill(prompt, reserve=reserve, on_tokens=on_prefill)
+        state = self.prepare(prompt, reserve=reserve, key=key, info=info, on_tokens=on_prefill)
         try:
             for task in tasks:
                 yield self.run_task(state, task, prompt.task_ids[task.name], on_token=on_token)
@@ -319,9 +387,9 @@ class Engine:
             self.cache = None
             mx.clear_cache()
 
-    def process(self, prompt: DocumentPrompt, tasks: Sequence[Any]) -> list[TaskResult]:
+    def process(self, prompt: DocumentPrompt, tasks: Sequence[Any], *, key: DocKey | None = None) -> list[TaskResult]:
         """All task results of one document (see ``iter_process``)."""
-        return list(self.iter_process(prompt, tasks))
+        return list(self.iter_process(prompt, tasks, key=key))
 
 
 def _chunks(total: int, step: int, spans: Sequence[tuple[int, int, dict]]) -> Iterator[tuple[int, int, list[dict]]]:
