@@ -96,6 +96,69 @@ class DocKey:
         return hashlib.sha256(canon.encode()).hexdigest()[:32]
 
 
+def _digest(obj: Any) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def weights_fingerprint(model_dir: Path | None) -> str | None:
+    """Digest of the weight files' resolved names, sizes and modification times.
+
+    Cheap (no file is read) and it changes whenever a file is replaced; Hub
+    snapshots resolve to blobs named by their content hash.
+    """
+    if model_dir is None:
+        return None
+    files = []
+    for p in sorted(Path(model_dir).glob("*.safetensors")) + sorted(Path(model_dir).glob("*.gguf")):
+        try:
+            real = p.resolve()
+            st = real.stat()
+        except OSError:
+            continue
+        files.append([p.name, real.name, st.st_size, st.st_mtime_ns])
+    return _digest(files)
+
+
+def model_identity(name: str, config: dict | None, model: Any = None, model_dir: Path | None = None) -> dict:
+    """What makes two models' caches interchangeable: the same name, config and
+    weight files, on the same kind of device, in the same dtype, under the same MLX."""
+    import mlx.core as mx
+
+    dtype = None
+    if model is not None:
+        from mlx.utils import tree_flatten
+
+        dtype = next((str(p.dtype) for _, p in tree_flatten(model.parameters())
+                      if mx.issubdtype(p.dtype, mx.floating)), None)
+    return {"name": name, "config": _digest(config or {}), "weights": weights_fingerprint(model_dir),
+            "device": mx.default_device().type.name, "dtype": dtype, "mlx": mx.__version__}
+
+
+CACHE_KEY_FIELDS = ("kv_quant_scheme", "kv_bits", "key_bits", "value_bits", "window", "quantizer", "prefill_chunk")
+CONTEXT_KEY_FIELDS = ("images", "dpi")  # shape pixel values, which token ids do not show
+
+
+def document_key(content_hash: str, context: Any, prefix_ids: list[int], model: dict, cache: Any) -> DocKey:
+    """The store key of one document's prefilled cache.
+
+    ``context`` and ``cache`` are the job's specs (pydantic models or dicts);
+    the prompt's token ids stand for everything else that shapes the prompt
+    (chat template, truncation, page texts), the fields named above for what
+    they cannot show.  The prefill chunk is in: it decides which tokens the
+    TurboQuant centring means are taken over.
+    """
+    ctx = context.model_dump(mode="json") if hasattr(context, "model_dump") else dict(context)
+    spec = cache.model_dump(mode="json") if hasattr(cache, "model_dump") else dict(cache)
+    return DocKey(
+        content_hash=content_hash,
+        pages=ctx.get("pages"),
+        model=model,
+        cache={k: spec.get(k) for k in CACHE_KEY_FIELDS},
+        context={**{k: ctx.get(k) for k in CONTEXT_KEY_FIELDS}, "prefix": token_digest(prefix_ids),
+                 "tokens": len(prefix_ids)},
+    )
+
+
 @dataclass
 class Hit:
     """A loaded entry: the rebuilt per-layer caches and what the engine needs."""

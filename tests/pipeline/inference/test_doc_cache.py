@@ -219,3 +219,33 @@ def test_two_writers_of_one_key_never_expose_a_broken_file(tmp_path, prefilled):
     assert reads > 0  # the reader did overlap the writers
     assert kv_file.read(path, key=k.fields()).prefix_ids == ids
     assert sorted(p.name for p in root.iterdir() if not p.name.startswith("READY")) == [path.name]
+
+
+def test_document_key_separates_what_changes_the_cache(tmp_path):
+    from pipeline.inference.doc_cache import document_key, model_identity
+    from pipeline.jobs import CacheSpec, ContextSpec
+
+    model = model_identity("m", {"model_type": "llama"})
+    base = document_key("sha256:a", ContextSpec(), [1, 2, 3], model, CacheSpec())
+    assert base == document_key("sha256:a", ContextSpec(max_tokens=999), [1, 2, 3], model, CacheSpec())
+    others = [
+        document_key("sha256:b", ContextSpec(), [1, 2, 3], model, CacheSpec()),
+        document_key("sha256:a", ContextSpec(pages="1-2"), [1, 2, 3], model, CacheSpec()),
+        document_key("sha256:a", ContextSpec(dpi=144), [1, 2, 3], model, CacheSpec()),
+        document_key("sha256:a", ContextSpec(), [1, 2, 4], model, CacheSpec()),
+        document_key("sha256:a", ContextSpec(), [1, 2, 3], model_identity("n", {}), CacheSpec()),
+        document_key("sha256:a", ContextSpec(), [1, 2, 3], model, CacheSpec(kv_bits=3)),
+        document_key("sha256:a", ContextSpec(), [1, 2, 3], model, CacheSpec(prefill_chunk=256)),
+        document_key("sha256:a", ContextSpec(), [1, 2, 3], model, CacheSpec(quantizer="tcq")),
+    ]
+    assert len({base.digest(), *(k.digest() for k in others)}) == 1 + len(others)
+
+
+def test_model_identity_follows_the_weight_files(tmp_path):
+    from pipeline.inference.doc_cache import model_identity
+
+    (tmp_path / "model.safetensors").write_bytes(b"x" * 10)
+    a = model_identity("m", {}, model_dir=tmp_path)
+    assert a == model_identity("m", {}, model_dir=tmp_path) and a["device"] and a["mlx"]
+    (tmp_path / "model.safetensors").write_bytes(b"y" * 11)
+    assert model_identity("m", {}, model_dir=tmp_path)["weights"] != a["weights"]
