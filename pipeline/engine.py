@@ -54,7 +54,7 @@ import mlx.core as mx
 
 from .context import DocumentPrompt, concat_image_inputs
 from .errors import TqpipeError
-from pipeline.inference.doc_cache import DocCacheStore, DocKey
+from pipeline.inference.doc_cache import DocCacheStore, DocKey, document_key, model_identity
 
 logger = logging.getLogger(__name__)
 
@@ -117,6 +117,7 @@ class Engine:
         self.seed = seed
         self.store = store
         self.cache_loads = 0
+        self._model_identity: dict | None = None
         self.lm = loaded.model.language_model if loaded.kind == "vlm" else loaded.model
         self.backbone = getattr(self.lm, "model", None)
         params = _param_names(self.backbone.__call__) if self.backbone is not None else set()
@@ -209,6 +210,17 @@ class Engine:
         return state
 
     # -- document cache store ---------------------------------------------------
+    def document_key(self, content_hash: str, context: Any, prompt: DocumentPrompt) -> DocKey | None:
+        """The store key of ``prompt``'s document under this model and cache spec
+        (None without a store)."""
+        if self.store is None:
+            return None
+        if self._model_identity is None:
+            loaded = self.loaded
+            self._model_identity = model_identity(loaded.name, loaded.config, loaded.model,
+                                                  getattr(loaded, "model_dir", None))
+        return document_key(content_hash, context, prompt.prefix_ids, self._model_identity, self.cache_spec)
+
     def load_cached(self, prompt: DocumentPrompt, key: DocKey, *, reserve: int = 0) -> _Prefilled | None:
         """The document's stored cache as a prefilled state, or None on a miss.
 

@@ -134,6 +134,13 @@ class ContextSpec(_Spec):
         return v
 
 
+class CacheStoreSpec(_Spec):
+    """Where prefilled document caches are kept between runs (``pipeline.inference.doc_cache``)."""
+
+    path: str | None = None  # default: $TQPIPE_HOME/doc-caches, else ~/.cache/tqpipe/doc-caches
+    max_gb: float = Field(20.0, ge=0)  # least recently used entries go first; 0 turns the store off
+
+
 class EngineSpec(_Spec):
     kind: Literal["local", "ray"] = "local"
     address: str | None = None
@@ -157,6 +164,7 @@ class JobSpec(_Spec):
     tasks: list[TaskSpec] = Field(min_length=1)
     output: str = Field(min_length=1)
     engine: EngineSpec = EngineSpec()
+    cache_store: CacheStoreSpec = CacheStoreSpec()
 
     @field_validator("tasks")
     @classmethod

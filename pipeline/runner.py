@@ -110,6 +110,7 @@ class Engines:
 
     def get(self, needs_images: bool) -> Any:
         from .engine import Engine
+        from pipeline.inference.doc_cache import store_for_job
 
         path = self.job.spec.model.path
         slot = bool(needs_images) if path is None else False
@@ -126,7 +127,7 @@ class Engines:
                 raise
             self.loads += 1
             logger.info("loaded model %s (%s)", loaded.name, loaded.kind)
-            self._engines[slot] = Engine(loaded, self.job.spec.cache)
+            self._engines[slot] = Engine(loaded, self.job.spec.cache, store=store_for_job(self.job))
         return self._engines[slot]
 
 
@@ -293,7 +294,9 @@ def process_document(
         if on_prompt is not None:
             on_prompt(prompt)
         stage = "prefill"
-        for result in engine.iter_process(prompt, tasks, on_prefill=on_prefill, on_token=on_token):
+        key = engine.document_key(digest, job.spec.context, prompt)
+        info = {"doc_id": ref.doc_id, "source": str(ref.source)}
+        for result in engine.iter_process(prompt, tasks, on_prefill=on_prefill, on_token=on_token, key=key, info=info):
             task = pending.pop(0)
             yield _ok_record(job, ref, digest, task, keys[task.name], result, prompt, doc, model_name, loaded.config,
                              ingest_s)

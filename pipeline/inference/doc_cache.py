@@ -64,6 +64,15 @@ def default_store_path() -> Path:
     return tqpipe_home() / "doc-caches"
 
 
+def store_for_job(job: Any) -> "DocCacheStore | None":
+    """The store a job's ``cache_store`` block names (None when ``max_gb`` is 0);
+    a relative path is relative to the job file's folder."""
+    spec = job.spec.cache_store
+    if spec.max_gb <= 0:
+        return None
+    return DocCacheStore.from_gb(job.resolve(spec.path) if spec.path else None, spec.max_gb)
+
+
 def token_digest(ids: Iterable[int]) -> str:
     """Digest of a token-id sequence (part of the key: the exact prompt prefix)."""
     h = hashlib.sha256()

@@ -62,6 +62,7 @@ def test_every_key_field_separates_entries():
 
 
 def test_default_path_follows_tqpipe_home(monkeypatch, tmp_path):
+    monkeypatch.undo()  # conftest points the default at a per-test folder
     monkeypatch.setenv("TQPIPE_HOME", str(tmp_path))
     assert default_store_path() == tmp_path / "doc-caches"
     assert DocCacheStore().root == tmp_path / "doc-caches"
