@@ -123,3 +123,34 @@ def test_tasks_after_a_hit_extend_the_loaded_cache_without_touching_the_file(tmp
     b = engine.process(prompt, TASKS, key=key)
     assert [r.token_ids for r in a] == [r.token_ids for r in b] and engine.cache_loads == 2
     assert store.path_for(key).read_bytes() == before
+
+
+def test_vlm_with_page_images_and_mrope_positions_loads_exactly(tmp_path, tiny_vlm_model):
+    """Page images are merged during the prefill only; a loaded cache must also
+    bring back the multimodal position offset (pos_delta) the tasks continue from."""
+    from PIL import Image
+
+    from pipeline.context import PromptBuilder
+    from pipeline.ingest import Document, DocumentRef, Page
+    from pipeline.jobs import ContextSpec
+
+    pages = [
+        Page(1, "Harbor report. Revenue grew by 12 percent in the third quarter.", None, False),
+        Page(2, "", Image.new("RGB", (56, 84), (180, 40, 40)), True),
+        Page(3, "Total dredging cost 1250 EUR, approved by Ada Lovelace.", None, False),
+    ]
+    doc = Document(ref=DocumentRef(source=tmp_path / "d.pdf", kind="pdf", doc_id="d.pdf"),
+                   content_hash="sha256:0", page_count=3, pages=pages)
+    loaded = tiny_vlm_model
+    prompt = PromptBuilder(loaded.tokenizer, processor=loaded.processor, kind="vlm").build(doc, ContextSpec(), TASKS)
+    assert prompt.n_images == 1
+    spec = CacheSpec(kv_quant_scheme="turboquant", kv_bits=3.5, window=16, prefill_chunk=32)
+    first = Engine(loaded, spec, store=DocCacheStore(tmp_path))
+    key = first.document_key("sha256:0", ContextSpec(), prompt)
+    fresh = first.process(prompt, TASKS, key=key)
+    again = Engine(loaded, spec, store=DocCacheStore(tmp_path))
+    cached = again.process(prompt, TASKS, key=key)
+    assert again.cache_loads == 1 and again.prefill_count == 0
+    assert [r.token_ids for r in cached] == [r.token_ids for r in fresh]
+    (entry,) = DocCacheStore(tmp_path).entries()
+    assert entry.info["pos_delta"] not in (None, 0) and entry.info["pos_ndim"] == 3
