@@ -3,7 +3,7 @@
     python -m benchmarks.document_cache [--pages 18] [--chunk 512] [--kv-bits 3.5] [--task-tokens 16]
                                         [--model PATH] [--keep DIR] [--tiny] [--json]
 
-Generates a ``--pages``-page text PDF (``pipeline.samples.make_long_pdf``,
+Generates a ``--pages``-page text PDF (``pipeline.inputs.samples.make_long_pdf``,
 ~430 tokens a page, so 18 pages fill most of the built-in SmolLM2's 8192-token
 context) and runs ``tqpipe run`` three times, each in a fresh process, with
 the store in the work folder (``cache_store.path``):
@@ -78,7 +78,7 @@ def _records(path: Path) -> list[dict]:
 def measure(work: Path, *, pages: int, chunk: int, kv_bits: float, task_tokens: int,
             model: str | None = None, echo=print) -> dict:
     """Run the three jobs in ``work`` and return the result keys."""
-    from pipeline.samples import make_long_pdf
+    from pipeline.inputs.samples import make_long_pdf
 
     (work / "docs").mkdir(parents=True, exist_ok=True)
     make_long_pdf(work / "docs" / "long.pdf", pages)

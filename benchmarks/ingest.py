@@ -19,9 +19,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from pipeline.ingest import DocumentRef, content_hash, ingest
-from pipeline.jobs import ContextSpec
-from pipeline.samples import make_long_pdf
+from pipeline.inputs.discover import DocumentRef, content_hash
+from pipeline.inputs.ingest import ingest
+from pipeline.inputs.samples import make_long_pdf
+from pipeline.schema.job import ContextSpec
 
 
 def _time(fn, repeat: int) -> tuple[float, float, object]:

@@ -98,10 +98,10 @@ def measure(scheme: str, *, tokens: int, chunk: int = 512, decode: int = 32, kv_
     """
     from mlx.utils import tree_flatten
 
-    from pipeline.context import DocumentPrompt
-    from pipeline.engine import Engine
-    from pipeline.jobs import CacheSpec
-    from pipeline.models import LoadedModel
+    from pipeline.inference.engine import Engine
+    from pipeline.inference.prompt import DocumentPrompt
+    from pipeline.models.load import LoadedModel
+    from pipeline.schema.job import CacheSpec
 
     if scheme not in SCHEMES:
         raise ValueError(f"benchmarks.memory: unknown scheme {scheme!r}; choose one of {SCHEMES}")

@@ -3,7 +3,7 @@
     python -m benchmarks.pipeline_engine [--pages 12] [--tasks 3] [--max-tokens 16] [--json]
 
 On the built-in SmolLM2-135M-Instruct (float32 on CPU) with a generated
-multi-page PDF (``pipeline.samples.make_long_pdf``), reports for the fp16 and
+multi-page PDF (``pipeline.inputs.samples.make_long_pdf``), reports for the fp16 and
 TurboQuant 3.5-bit caches:
 
 * prefill seconds for the document (once) and decode seconds per task;
@@ -27,12 +27,13 @@ import pipeline  # noqa: F401  (OpenBLAS before mlx.core)
 
 import mlx.core as mx
 
-from pipeline.context import PromptBuilder
-from pipeline.engine import Engine
-from pipeline.ingest import DocumentRef, ingest
-from pipeline.jobs import CacheSpec, ContextSpec, TaskSpec
-from pipeline.models import load_model
-from pipeline.samples import long_pdf_code_word, make_long_pdf
+from pipeline.inference.engine import Engine
+from pipeline.inference.prompt import PromptBuilder
+from pipeline.inputs.discover import DocumentRef
+from pipeline.inputs.ingest import ingest
+from pipeline.inputs.samples import long_pdf_code_word, make_long_pdf
+from pipeline.models.load import load_model
+from pipeline.schema.job import CacheSpec, ContextSpec, TaskSpec
 
 
 def _prefill_peak(loaded, prompt, spec) -> tuple[float, float]:

@@ -3,7 +3,7 @@
     python -m benchmarks.pipeline_run [--pages 300] [--context-tokens 8192] [--chunk 512]
                                       [--task-tokens 16] [--kv-bits 3.5] [--keep DIR] [--json]
 
-Generates a ``--pages``-page text PDF (``pipeline.samples.make_long_pdf``),
+Generates a ``--pages``-page text PDF (``pipeline.inputs.samples.make_long_pdf``),
 writes two job files that differ only in ``cache.kv_quant_scheme`` (``fp16``
 vs ``turboquant`` at ``--kv-bits``), and runs ``tqpipe run`` on each in a
 SUBPROCESS: a fresh process per cache, so peak memory is that run's own and
@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--json", action="store_true", help="print the rows and ratios as JSON on the last line")
     args = ap.parse_args(argv)
 
-    from pipeline.samples import make_long_pdf
+    from pipeline.inputs.samples import make_long_pdf
 
     with tempfile.TemporaryDirectory() as tmp:
         work = args.keep or Path(tmp)

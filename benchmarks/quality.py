@@ -194,7 +194,7 @@ def prefill(model: Any, cache: list, ids: Sequence[int], chunk: int) -> mx.array
     """Chunked prefill; returns the last position's logits (float32, [vocab]).
 
     Non-final chunks go through the backbone only (no LM head), as in
-    ``pipeline.engine``.
+    ``pipeline.inference.engine``.
     """
     if not ids:
         raise ValueError("benchmarks.quality.prefill: empty prompt")
@@ -404,7 +404,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if unknown:
         p.error(f"--schemes: unknown {', '.join(sorted(unknown))}; choose from {', '.join(SCHEMES)}")
 
-    from pipeline.models import load_model
+    from pipeline.models.load import load_model
 
     t0 = time.perf_counter()
     loaded = load_model(None)

@@ -37,7 +37,7 @@ import pipeline  # noqa: F401  (OpenBLAS before mlx)
 
 def make_job(root: Path, n_docs: int, n_tasks: int, max_tokens: int, name: str) -> Path:
     """The documents (once) and a job file writing to its own results file."""
-    from pipeline.samples import make_text_pdf
+    from pipeline.inputs.samples import make_text_pdf
 
     docs = root / "docs"
     if not docs.exists():
@@ -78,19 +78,20 @@ def model_seconds(results: Path) -> dict:
 
 def timed_run(job_path: Path, workers: int | None) -> dict:
     """One run; ``workers=None`` is the local engine."""
-    from pipeline.jobs import load_job
+    from pipeline.inputs.job_file import load_job
 
     job = load_job(job_path)
     t0 = time.perf_counter()
     if workers is None:
-        from pipeline.runner import Engines, run_job
+        from pipeline.inference.engines import Engines
+        from pipeline.run.runner import run_job
 
         engines = Engines(job)
         engines.get(needs_images=False)  # load first, as a Ray worker does before its first document
         ready_s = time.perf_counter() - t0
         summary = run_job(job, progress=False, engines=engines)
     else:
-        from pipeline.ray_engine import RayRun
+        from pipeline.run.ray_engine import RayRun
 
         run = RayRun(job, workers=workers, progress=False)
         summary = run.run()
@@ -122,7 +123,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     import ray
 
-    from pipeline.models import builtin_text_model_dir
+    from pipeline.models.load import builtin_text_model_dir
 
     builtin_text_model_dir()  # build once, before the workers look for it
     load_before = os.getloadavg()

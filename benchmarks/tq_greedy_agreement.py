@@ -17,8 +17,8 @@ import pipeline  # noqa: F401  (OpenBLAS before mlx.core)
 import mlx.core as mx
 from mlx_lm.generate import generate_step
 
-from pipeline.builtin_vlm import CORPUS
-from pipeline.models import load_model
+from pipeline.models.builtin_vlm import CORPUS
+from pipeline.models.load import load_model
 from turboquant import make_prompt_cache
 
 QUESTIONS = (

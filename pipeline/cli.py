@@ -26,12 +26,16 @@ import logging
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
 import pipeline  # noqa: F401  (fast CPU BLAS before anything imports mlx.core)
 
-from .errors import JobFileError, LockHeldError, PageRangeError, TqpipeError
+from pipeline.errors import JobFileError, LockHeldError, PageRangeError, TqpipeError
+
+if TYPE_CHECKING:
+    from pipeline.schema.job import Job
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_LOCKED = 0, 1, 2, 3
 EXIT_CODES_HELP = (
@@ -49,16 +53,15 @@ def _fail(message: str, code: int) -> None:
     sys.exit(code)
 
 
-def _load(job_path: str, pages: str | None = None, *, check_inputs: bool = True):
-    """Load and check the job (exit 2 with one clear line on any problem)."""
-    from .jobs import load_job
+def _load(job_path: str, pages: str | None = None, *, check_inputs: bool = True) -> Job:
+    """Load and check the job, with a ``--pages`` override applied (exit 2
+    with one clear line on any problem).  The one place ``--pages`` enters a
+    run: every command below only sees the returned job."""
+    from pipeline.inputs.job_file import load_job
+    from pipeline.schema.job import with_pages
 
     try:
-        job = load_job(job_path, check_inputs=check_inputs)
-        if pages is not None:
-            from .pages import parse_page_ranges
-
-            parse_page_ranges(pages)
+        job = with_pages(load_job(job_path, check_inputs=check_inputs), pages)
     except JobFileError as e:
         _fail(str(e), EXIT_USAGE)
     except PageRangeError as e:
@@ -98,7 +101,7 @@ def run(job_file: str, pages: str | None, dry_run: bool, retry_failed: bool, eng
 
     Progress: tqdm bars on a terminal, plain log lines otherwise (cron).
     """
-    from .progress import configure_logging
+    from pipeline.run.progress import configure_logging
 
     configure_logging(verbose)
     job = _load(job_file, pages)
@@ -110,14 +113,14 @@ def run(job_file: str, pages: str | None, dry_run: bool, retry_failed: bool, eng
               EXIT_USAGE)
     try:
         if kind == "ray" and not dry_run:
-            from . import ray_engine  # imported only when asked: Ray is heavy
+            from pipeline.run import ray_engine  # imported only when asked: Ray is heavy
 
             summary = ray_engine.run_job_on_ray(job, address=address, workers=workers, retry_failed=retry_failed,
-                                                pages=pages, progress=not no_progress)
+                                                progress=not no_progress)
         else:
-            from .runner import run_job
+            from pipeline.run.runner import run_job
 
-            summary = run_job(job, retry_failed=retry_failed, pages=pages, dry_run=dry_run,
+            summary = run_job(job, retry_failed=retry_failed, dry_run=dry_run,
                               progress=not no_progress, echo=click.echo)
     except LockHeldError as e:
         _fail(str(e), EXIT_LOCKED)
@@ -154,10 +157,11 @@ def watch(inbox: str, job_file: str, settle: float, poll: float, pages: str | No
     A file that is no document (``notes.txt``) is reported by name once and
     recorded as failed in the ledger, not silently ignored.
     """
-    from .ingest import expand_input
-    from .progress import configure_logging
-    from .runner import Engines, run_job
-    from .watch import InboxWatcher
+    from pipeline.inference.engines import Engines
+    from pipeline.inputs.discover import expand_input
+    from pipeline.run.progress import configure_logging
+    from pipeline.run.runner import run_job
+    from pipeline.run.watch import InboxWatcher
 
     configure_logging(verbose)
     job = _load(job_file, pages, check_inputs=False)
@@ -174,7 +178,7 @@ def watch(inbox: str, job_file: str, settle: float, poll: float, pages: str | No
             refs = []
         if not refs:
             raise TqpipeError(f"{path}: not a PDF, an image or a folder of images; skipped")
-        summary = run_job(job, refs=refs, pages=pages, engines=engines, progress=False, echo=click.echo)
+        summary = run_job(job, refs=refs, engines=engines, progress=False, echo=click.echo)
         return "failed" if summary.failed else "ok"
 
     ledger = job.output_path.with_name(job.output_path.name + ".inbox.jsonl")
@@ -202,18 +206,12 @@ def status(job_file: str, pages: str | None, as_json: bool) -> None:
     Pending = (document, task) pairs of the current job and config with no
     record yet.  Reads only; safe while a run is going.
     """
-    from .checkpoint import summarize
-    from .ingest import content_hash, discover
-    from .runner import task_keys, with_pages
+    from pipeline.inputs.discover import discover
+    from pipeline.output.results_log import summarize
+    from pipeline.run.plan import WorkPlan
 
-    job = with_pages(_load(job_file, pages), pages)
-    expected: set[str] = set()
-    unreadable = 0
-    for ref in discover(job):
-        try:
-            expected.update(task_keys(job, content_hash(ref)).values())
-        except OSError:
-            unreadable += 1
+    job = _load(job_file, pages)
+    expected, unreadable = WorkPlan(job).expected_keys(discover(job))
     counts = summarize(job.output_path, expected)
     counts["unreadable_documents"] = unreadable
     if as_json:
@@ -233,7 +231,7 @@ def status(job_file: str, pages: str | None, as_json: bool) -> None:
 @click.argument("job_file", metavar="JOB", type=click.Path(dir_okay=False))
 def validate(job_file: str) -> None:
     """Check JOB (schema, inputs, model path) without running anything."""
-    from .ingest import discover
+    from pipeline.inputs.discover import discover
 
     job = _load(job_file)
     spec = job.spec
@@ -256,7 +254,7 @@ def validate(job_file: str) -> None:
 @click.argument("directory", default="samples", type=click.Path(file_okay=False))
 def samples(directory: str) -> None:
     """Write sample documents (text PDFs, a scanned PDF, an image set) into DIRECTORY."""
-    from .samples import write_samples
+    from pipeline.inputs.samples import write_samples
 
     t0 = time.perf_counter()
     paths = write_samples(Path(directory))
@@ -283,8 +281,9 @@ def ask(file: str, prompt: str, job_file: str | None, model: str | None, max_tok
     later ones (and jobs with the same settings) load it instead.  Prints the
     answer; no results file is written.
     """
-    from .progress import configure_logging
-    from .run.ask import ask as ask_document, ask_job
+    from pipeline.run.ask import ask as ask_document
+    from pipeline.run.ask import ask_job
+    from pipeline.run.progress import configure_logging
 
     configure_logging(verbose)
     base = _load(job_file, check_inputs=False) if job_file else None
@@ -298,7 +297,7 @@ def ask(file: str, prompt: str, job_file: str | None, model: str | None, max_tok
     if as_json:
         import orjson
 
-        from .records import json_default
+        from pipeline.schema.record import json_default
 
         click.echo(orjson.dumps(record, default=json_default).decode())
     elif record["status"] == "ok":
@@ -315,7 +314,7 @@ def ask(file: str, prompt: str, job_file: str | None, model: str | None, max_tok
 
 def _store(job_file: str | None, path: str | None):
     """The store named by --path, else by JOB's cache_store, else the default one."""
-    from .inference.doc_cache import DocCacheStore, store_for_job
+    from pipeline.inference.doc_cache import DocCacheStore, store_for_job
 
     if path is not None:
         return DocCacheStore(path)

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 import pipeline  # noqa: F401  (fast CPU BLAS before mlx.core)
-from pipeline.models import LoadedModel, builtin_text_model_dir, builtin_vlm_dir, load_model, models_home
+from pipeline.models.load import LoadedModel, builtin_text_model_dir, builtin_vlm_dir, load_model, models_home
 
 __all__ = ["tqpipe_models_home", "smollm2_dir", "tiny_vlm_dir", "smollm2_model", "tiny_vlm_model"]
 

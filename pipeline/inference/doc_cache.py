@@ -43,20 +43,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
 
-from . import kv_file
-from .kv_file import FORMAT_VERSION, SUFFIX, TEMP_MARK, CacheFileError, UnsupportedCache
+from pipeline.inference import kv_file
+from pipeline.inference.kv_file import FORMAT_VERSION, SUFFIX, TEMP_MARK, CacheFileError, UnsupportedCache
+from pipeline.models.store import tqpipe_home
 
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_GB = 20.0
 STALE_TEMP_S = 3600.0  # a temporary file this old belongs to a dead writer
 _GB = 1024**3
-
-
-def tqpipe_home() -> Path:
-    """``$TQPIPE_HOME``, else ``~/.cache/tqpipe``."""
-    home = os.environ.get("TQPIPE_HOME")
-    return Path(home).expanduser() if home else Path.home() / ".cache" / "tqpipe"
 
 
 def default_store_path() -> Path:

@@ -14,7 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from pipeline.errors import TqpipeError
-from pipeline.jobs import Job, JobSpec, TaskSpec
+from pipeline.schema.job import Job, JobSpec, TaskSpec
 
 
 def ask_job(file: Path, prompt: str, *, base: Job | None = None, model: str | None = None,
@@ -37,8 +37,9 @@ def ask_job(file: Path, prompt: str, *, base: Job | None = None, model: str | No
 
 def ask(job: Job) -> dict:
     """Run the one-off job's single (document, task); returns its record (ok or error)."""
-    from pipeline.ingest import expand_input
-    from pipeline.runner import Engines, process_document
+    from pipeline.inference.engines import Engines
+    from pipeline.inputs.discover import expand_input
+    from pipeline.run.document import process_document
 
     refs = expand_input(job, job.spec.inputs[0])
     if len(refs) != 1:

@@ -14,8 +14,8 @@ from click.testing import CliRunner
 from fixtures_models import *  # noqa: F403
 
 from pipeline.cli import main
-from pipeline.lock import JobLock
-from pipeline.samples import make_corrupt_pdf, make_text_pdf
+from pipeline.inputs.samples import make_corrupt_pdf, make_text_pdf
+from pipeline.output.lock import JobLock
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -49,10 +49,10 @@ def test_help_documents_exit_codes():
 
 
 def test_bad_job_file_exits_2_without_loading_a_model(tmp_path, monkeypatch):
-    import pipeline.models
+    import pipeline.models.load
 
     called = []
-    monkeypatch.setattr(pipeline.models, "load_model", lambda *a, **k: called.append(a))
+    monkeypatch.setattr(pipeline.models.load, "load_model", lambda *a, **k: called.append(a))
     job = tmp_path / "bad.yaml"
     job.write_text("name: x\ninputs: [nothing/]\ntasks:\n  - {name: a, prompt: p, max_tokens: -5}\noutput: o.jsonl\n")
     for cmd in (["run"], ["validate"], ["status"], ["run", "--dry-run"]):

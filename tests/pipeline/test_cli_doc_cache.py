@@ -9,7 +9,7 @@ from click.testing import CliRunner
 from fixtures_models import *  # noqa: F403
 
 from pipeline.cli import main
-from pipeline.samples import make_text_pdf
+from pipeline.inputs.samples import make_text_pdf
 
 
 def make_job(tmp_path: Path, model: Path, tasks: int) -> Path:

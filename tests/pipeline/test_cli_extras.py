@@ -13,9 +13,9 @@ from fixtures_models import *  # noqa: F403
 
 from pipeline.cli import main
 from pipeline.errors import JobFileError
-from pipeline.jobs import load_job
-from pipeline.runner import RunSummary
-from pipeline.samples import make_text_pdf
+from pipeline.inputs.job_file import load_job
+from pipeline.inputs.samples import make_text_pdf
+from pipeline.run.runner import RunSummary
 
 
 def write_job(tmp_path: Path, model: Path, *, inputs: str = "docs/", extra: str = "") -> Path:
@@ -38,7 +38,7 @@ def lines(path: Path) -> list[dict]:
 @pytest.fixture
 def ray_calls(monkeypatch):
     """``run_job_on_ray`` replaced by a recorder: no Ray cluster is started."""
-    import pipeline.ray_engine as ray_engine
+    import pipeline.run.ray_engine as ray_engine
 
     calls: list[dict] = []
 
@@ -59,7 +59,8 @@ def test_ray_flags_reach_run_job_on_ray(tmp_path, ray_calls):
     assert r.exit_code == 0, r.output
     assert len(ray_calls) == 1
     call = ray_calls[0]
-    assert (call["address"], call["workers"], call["pages"], call["progress"]) == ("ray://head:10001", 7, "1", False)
+    assert (call["address"], call["workers"], call["progress"]) == ("ray://head:10001", 7, False)
+    assert call["job"].spec.context.pages == "1"  # --pages reaches Ray inside the job (hence in the keys)
     assert call["job"].spec.engine.address == "auto"  # the job file is untouched; the flags override it
 
     ray_calls.clear()  # no flags: None, so RayRun falls back to the job's engine block
@@ -70,9 +71,9 @@ def test_ray_flags_reach_run_job_on_ray(tmp_path, ray_calls):
 
 
 def test_ray_flags_with_local_engine_are_a_usage_error(tmp_path, ray_calls, monkeypatch):
-    import pipeline.runner
+    import pipeline.run.runner
 
-    monkeypatch.setattr(pipeline.runner, "run_job", lambda *a, **k: pytest.fail("nothing may run"))
+    monkeypatch.setattr(pipeline.run.runner, "run_job", lambda *a, **k: pytest.fail("nothing may run"))
     (tmp_path / "docs").mkdir()
     make_text_pdf(tmp_path / "docs" / "a.pdf", ["page one"])
     job = write_job(tmp_path, tmp_path)
@@ -140,7 +141,7 @@ def test_records_carry_peak_memory_and_ingest_time(tmp_path, tiny_vlm_dir, caplo
     (tmp_path / "docs").mkdir()
     make_text_pdf(tmp_path / "docs" / "a.pdf", ["First page text.", "Second page text."])
     job = write_job(tmp_path, tiny_vlm_dir)
-    with caplog.at_level(logging.INFO, logger="pipeline.runner"):
+    with caplog.at_level(logging.INFO, logger="pipeline.run.runner"):
         r = CliRunner().invoke(main, ["run", str(job), "--no-progress"])
     assert r.exit_code == 0, r.output
     (rec,) = lines(tmp_path / "out" / "results.jsonl")

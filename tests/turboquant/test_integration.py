@@ -150,7 +150,7 @@ def test_saved_cache_continues_with_identical_logits(llama, tmp_path):
 def tiny_vlm(tmp_path_factory):
     import mlx_vlm
 
-    from pipeline.builtin_vlm import build_tiny_vlm
+    from pipeline.models.builtin_vlm import build_tiny_vlm
 
     path = tmp_path_factory.mktemp("tiny_vlm")
     build_tiny_vlm(path)

@@ -224,7 +224,7 @@ def test_two_writers_of_one_key_never_expose_a_broken_file(tmp_path, prefilled):
 
 def test_document_key_separates_what_changes_the_cache(tmp_path):
     from pipeline.inference.doc_cache import document_key, model_identity
-    from pipeline.jobs import CacheSpec, ContextSpec
+    from pipeline.schema.job import CacheSpec, ContextSpec
 
     model = model_identity("m", {"model_type": "llama"})
     base = document_key("sha256:a", ContextSpec(), [1, 2, 3], model, CacheSpec())

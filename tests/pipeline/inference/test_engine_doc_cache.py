@@ -8,10 +8,10 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models import llama
 
-from pipeline.context import DocumentPrompt
-from pipeline.engine import Engine
 from pipeline.inference.doc_cache import DocCacheStore, DocKey, token_digest
-from pipeline.jobs import CacheSpec, TaskSpec
+from pipeline.inference.engine import Engine
+from pipeline.inference.prompt import DocumentPrompt
+from pipeline.schema.job import CacheSpec, TaskSpec
 
 VOCAB = 96
 TASKS = [TaskSpec(name="a", prompt="x", max_tokens=6), TaskSpec(name="bb", prompt="y", max_tokens=5)]
@@ -130,9 +130,10 @@ def test_vlm_with_page_images_and_mrope_positions_loads_exactly(tmp_path, tiny_v
     bring back the multimodal position offset (pos_delta) the tasks continue from."""
     from PIL import Image
 
-    from pipeline.context import PromptBuilder
-    from pipeline.ingest import Document, DocumentRef, Page
-    from pipeline.jobs import ContextSpec
+    from pipeline.inference.prompt import PromptBuilder
+    from pipeline.inputs.discover import DocumentRef
+    from pipeline.inputs.document import Document, Page
+    from pipeline.schema.job import ContextSpec
 
     pages = [
         Page(1, "Harbor report. Revenue grew by 12 percent in the third quarter.", None, False),

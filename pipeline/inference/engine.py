@@ -1,0 +1,425 @@
+"""Run all tasks of one document over ONE prefill of its (compressed) KV cache.
+
+The expensive part of a long document is reading it: prefill costs
+O(tokens) forward work and fills the cache.  Every task then only adds its
+own short suffix (the question) and decodes.  So the engine
+
+1. builds a fresh per-layer cache (TurboQuant, fp16 or affine) and reserves
+   room for the whole document, so the packed storage never regrows;
+2. prefills the document prefix in chunks of ``cache.prefill_chunk`` tokens
+   through the model's *backbone* (no LM head), so no step holds more than
+   one chunk of keys, values, attention scores or hidden states and no
+   full-vocabulary logits are ever computed for document tokens; the cache
+   is evaluated and MLX's buffer cache cleared after every chunk;
+3. for each task: appends the task tokens, computes logits for the last
+   position only, decodes (greedy or temperature sampling, EOS stop), then
+   trims the cache back to the document length so the next task sees the
+   document exactly as prefilled.  Caches that cannot trim are restored from
+   a snapshot of their state instead.
+
+Document caches: with a store (``pipeline.inference.doc_cache``) and a key,
+the engine first looks the document up; a hit loads the prefilled cache and
+goes straight to the tasks (no forward pass over the document), a miss
+prefills and stores the cache before the first task, so a crash in a task
+still leaves it for the rerun.  A loaded cache is the saved one bit for bit,
+so its answers equal a fresh prefill's.
+
+Exactness of the rewind for TurboQuant: its exact window of recent tokens
+moves into packed (quantized) storage as the task tokens push it out, and a
+plain ``trim`` cannot un-quantize them.  After prefill we therefore keep
+references to the cache's small mutable parts (window arrays, packed length,
+centring means; MLX arrays are immutable values, the cache replaces them
+rather than writing into them) and put them back after the trim.  Packed
+storage below the document's packed length is never written by a task, so
+every task sees bit-for-bit the cache a fresh prefill would give.
+
+VLMs: page images are merged into the input embeddings by the model's own
+``get_input_embeddings`` (vision tower + image-token scatter), one prefill
+chunk at a time with only that chunk's images, so neither the vision tower
+nor the embeddings ever see the whole document (chunks stretch to keep a
+page's image tokens together).  Models with multimodal RoPE (Qwen2-VL) get
+global position ids from ``get_rope_index`` once (integers only), sliced per
+chunk and continued after the document with its ``rope_deltas`` offset.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Sequence
+
+import mlx.core as mx
+
+from pipeline.errors import TqpipeError
+from pipeline.inference.doc_cache import DocCacheStore, DocKey, document_key, model_identity
+from pipeline.inference.prompt import DocumentPrompt, concat_image_inputs
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class TaskResult:
+    """One task's output plus the numbers that go into its record."""
+
+    task: str
+    text: str
+    token_ids: list[int]
+    finish_reason: str  # "stop" (EOS) or "length" (max_tokens)
+    tokens: dict
+    timing: dict
+    cache: dict
+
+
+@dataclass
+class _Prefilled:
+    length: int  # document tokens in the cache
+    prefill_s: float
+    nbytes: int
+    pos_delta: int | None  # mRoPE offset to continue positions after the document, None = cache offset
+    pos_ndim: int = 2
+    snapshot: list | None = field(default=None, repr=False)
+    windows: list | None = field(default=None, repr=False)
+    doc_cache: dict | None = None  # the store's part of the record: hit, load_s / save_s, entry
+
+
+def _make_cache(model: Any, spec: Any) -> list:
+    """Per-layer caches for ``model`` (the mlx-lm model, or the whole mlx-vlm model)."""
+    from turboquant import make_prompt_cache
+
+    opts = {}
+    if spec.kv_quant_scheme == "turboquant":
+        opts = {"key_bits": spec.key_bits, "value_bits": spec.value_bits, "window": spec.window,
+                "quantizer": spec.quantizer}
+    return make_prompt_cache(model, kv_bits=spec.kv_bits, kv_quant_scheme=spec.kv_quant_scheme, **opts)
+
+
+def _param_names(fn: Any) -> set[str]:
+    try:
+        return set(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return set()
+
+
+class Engine:
+    """A loaded model plus the cache policy; ``process`` runs one document.
+
+    ``prefill_count`` and ``tokens_forwarded`` count work actually done, so
+    tests (and benchmarks) can check that a document is read once no matter
+    how many tasks ask about it; ``cache_loads`` counts document caches
+    loaded from ``store`` instead.
+    """
+
+    def __init__(self, loaded: Any, cache_spec: Any, *, seed: int = 0, store: DocCacheStore | None = None):
+        self.loaded = loaded
+        self.cache_spec = cache_spec
+        self.seed = seed
+        self.store = store
+        self.cache_loads = 0
+        self._model_identity: dict | None = None
+        self.lm = loaded.model.language_model if loaded.kind == "vlm" else loaded.model
+        self.backbone = getattr(self.lm, "model", None)
+        params = _param_names(self.backbone.__call__) if self.backbone is not None else set()
+        self._embeds_kw = next((k for k in ("inputs_embeds", "input_embeddings") if k in params), None)
+        self._pos_kw = "position_ids" in params
+        head = getattr(self.lm, "lm_head", None)
+        if head is not None:
+            self._head: Callable | None = head
+        elif self.backbone is not None and hasattr(self.backbone, "embed_tokens"):
+            self._head = self.backbone.embed_tokens.as_linear
+        else:
+            self._head = None  # unknown layout: run the full model, slice logits
+        self.eos_ids: set[int] = set()
+        for attr in ("eos_token_ids", "eos_token_id"):  # a set on mlx-lm's wrapper, an int on HF tokenizers
+            value = getattr(loaded.tokenizer, attr, None)
+            if value is not None:
+                self.eos_ids.update(int(v) for v in (value if isinstance(value, (list, tuple, set)) else [value]))
+        self.cache: list | None = None
+        self.prefill_count = 0
+        self.tokens_forwarded = 0
+
+    # -- forward ----------------------------------------------------------
+    def _forward(self, ids: mx.array | None, embeds: mx.array | None, positions: mx.array | None, *, logits: bool):
+        """One forward step over a chunk; returns last-position logits, or None
+        when ``logits`` is False (document chunks: the LM head never runs)."""
+        n = (ids if ids is not None else embeds).shape[1]
+        self.tokens_forwarded += n
+        if self._head is None:
+            out = self.lm(ids, cache=self.cache)
+            out = getattr(out, "logits", out)
+            return out[:, -1, :] if logits else None
+        kwargs: dict = {"cache": self.cache}
+        if embeds is not None:
+            if self._embeds_kw is None:
+                raise TqpipeError(f"{type(self.backbone).__name__} takes no input embeddings; cannot merge page images")
+            kwargs[self._embeds_kw] = embeds
+        if positions is not None and self._pos_kw:
+            kwargs["position_ids"] = positions
+        h = self.backbone(ids, **kwargs)
+        if not logits:
+            return None  # the cache holds what matters; h stays an unevaluated graph
+        return self._head(h[:, -1:, :])[:, -1, :]
+
+    def _positions(self, state: _Prefilled, n: int) -> mx.array | None:
+        if state.pos_delta is None:
+            return None
+        start = self.cache[0].offset + state.pos_delta
+        pos = mx.arange(start, start + n)[None]
+        return mx.broadcast_to(pos[None], (3, 1, n)) if state.pos_ndim == 3 else pos
+
+    # -- prefill ----------------------------------------------------------
+    def prefill(self, prompt: DocumentPrompt, *, reserve: int = 0, on_tokens: Callable[[int], None] | None = None) -> _Prefilled:
+        """Fill a fresh cache with the document prefix, chunk by chunk."""
+        t0 = time.perf_counter()
+        self.cache = _make_cache(self.loaded.model, self.cache_spec)
+        total = len(prompt.prefix_ids)
+        for c in self.cache:
+            if hasattr(c, "reserve"):
+                c.reserve(total + reserve)
+        ids = mx.array(prompt.prefix_ids, dtype=mx.int32)[None]
+        positions, pos_delta = None, None
+        if prompt.image_spans:
+            if self.loaded.kind != "vlm":
+                raise TqpipeError("document has page images but the model is text-only")
+            positions, pos_delta = self._mrope_positions(ids, prompt)
+        for start, end, extras in _chunks(total, self.cache_spec.prefill_chunk, prompt.image_spans):
+            self._forward(
+                ids[:, start:end],
+                self._embed_images(ids[:, start:end], extras) if extras else None,
+                None if positions is None else positions[..., start:end],
+                logits=False,
+            )
+            mx.eval([c.state for c in self.cache])
+            mx.clear_cache()
+            if on_tokens is not None:
+                on_tokens(end - start)
+        pos_ndim = 2 if positions is None else positions.ndim
+        self.prefill_count += 1
+        return self._prefilled(total, time.perf_counter() - t0, pos_delta, pos_ndim)
+
+    def _prefilled(self, length: int, prefill_s: float, pos_delta: int | None, pos_ndim: int) -> _Prefilled:
+        """The document state of the cache now in ``self.cache``, with what a rewind needs."""
+        self.allocated_after_prefill = self.cache_allocated()
+        state = _Prefilled(length=length, prefill_s=prefill_s, nbytes=self.cache_nbytes(),
+                           pos_delta=pos_delta, pos_ndim=pos_ndim)
+        if not all(c.is_trimmable() for c in self.cache):
+            state.snapshot = [(_copy_state(c.state), c.meta_state) for c in self.cache]
+        else:
+            state.windows = [c.checkpoint() if hasattr(c, "checkpoint") else None for c in self.cache]
+        return state
+
+    # -- document cache store ---------------------------------------------------
+    def document_key(self, content_hash: str, context: Any, prompt: DocumentPrompt) -> DocKey | None:
+        """The store key of ``prompt``'s document under this model and cache spec
+        (None without a store)."""
+        if self.store is None:
+            return None
+        if self._model_identity is None:
+            loaded = self.loaded
+            self._model_identity = model_identity(loaded.name, loaded.config, loaded.model,
+                                                  getattr(loaded, "model_dir", None))
+        return document_key(content_hash, context, prompt.prefix_ids, self._model_identity, self.cache_spec)
+
+    def load_cached(self, prompt: DocumentPrompt, key: DocKey, *, reserve: int = 0) -> _Prefilled | None:
+        """The document's stored cache as a prefilled state, or None on a miss.
+
+        The loaded layers must be the classes this model and cache spec
+        would build (the key says they are; a mismatch is still a miss).
+        """
+        hit = self.store.load(key, prompt.prefix_ids)
+        if hit is None:
+            return None
+        fresh = _make_cache(self.loaded.model, self.cache_spec)  # also installs the attention hook
+        if [type(c) for c in fresh] != [type(c) for c in hit.caches]:
+            logger.warning("document cache %s: its layers do not match this model; prefilling instead", hit.path)
+            return None
+        self.cache = hit.caches
+        total = len(prompt.prefix_ids)
+        for c in self.cache:
+            if hasattr(c, "reserve"):
+                c.reserve(total + reserve)
+        self.cache_loads += 1
+        state = self._prefilled(total, 0.0, hit.info.get("pos_delta"), int(hit.info.get("pos_ndim", 2)))
+        state.doc_cache = {"hit": True, "load_s": round(hit.load_s, 4), "entry": hit.path.stem}
+        return state
+
+    def save_cached(self, prompt: DocumentPrompt, key: DocKey, state: _Prefilled, info: dict | None = None) -> None:
+        """Store the freshly prefilled cache under ``key`` (errors are logged, never raised)."""
+        t0 = time.perf_counter()
+        meta = {"length": state.length, "pos_delta": state.pos_delta, "pos_ndim": state.pos_ndim,
+                "prefill_s": round(state.prefill_s, 4), **(info or {})}
+        path = self.store.save(key, self.cache, prompt.prefix_ids, meta)
+        state.doc_cache = {"hit": False, "saved": path is not None, "save_s": round(time.perf_counter() - t0, 4),
+                           "entry": key.digest()}
+
+    def prepare(self, prompt: DocumentPrompt, *, reserve: int = 0, key: DocKey | None = None,
+                info: dict | None = None, on_tokens: Callable[[int], None] | None = None) -> _Prefilled:
+        """The document in the cache: loaded from the store when it holds ``key``,
+        else prefilled (and then stored).  ``info`` goes into a new entry's listing."""
+        use_store = self.store is not None and key is not None
+        if use_store:
+            state = self.load_cached(prompt, key, reserve=reserve)
+            if state is not None:
+                if on_tokens is not None:
+                    on_tokens(state.length)
+                return state
+        state = self.prefill(prompt, reserve=reserve, on_tokens=on_tokens)
+        if use_store:
+            self.save_cached(prompt, key, state, info)
+        return state
+
+    def _mrope_positions(self, ids: mx.array, prompt: DocumentPrompt) -> tuple[mx.array | None, int | None]:
+        """Multimodal RoPE position ids for the whole prefix (Qwen2-VL style), or (None, None).
+
+        Only integers [3, 1, L]: cheap to hold for the whole document, and they
+        must be global (an image shifts the positions of every later token).
+        """
+        get = getattr(self.lm, "get_rope_index", None)
+        grids = [extra.get("image_grid_thw") for _, _, extra in prompt.image_spans]
+        if get is None or any(g is None for g in grids):
+            return None, None
+        grid = mx.concatenate([mx.array(g) for g in grids], axis=0)
+        positions, deltas = get(ids, image_grid_thw=grid)
+        return positions, int(mx.array(deltas).reshape(-1)[0].item())
+
+    def _embed_images(self, ids: mx.array, extras: list[dict]) -> mx.array:
+        """Input embeddings of one chunk with its pages' image features merged in,
+        through the model's own ``get_input_embeddings`` (vision tower + scatter)."""
+        inputs = concat_image_inputs(extras)
+        pixel_values = inputs.pop("pixel_values", None)
+        feats = self.loaded.model.get_input_embeddings(ids, pixel_values, mask=None, **inputs)
+        return feats.inputs_embeds
+
+    def cache_nbytes(self) -> int:
+        """Bytes the cache holds for its tokens (``used_nbytes`` where a cache
+        reserves capacity ahead, else its allocated ``nbytes``)."""
+        return int(sum(getattr(c, "used_nbytes", None) or getattr(c, "nbytes", 0) for c in self.cache or []))
+
+    def cache_allocated(self) -> int:
+        return int(sum(getattr(c, "nbytes", 0) for c in self.cache or []))
+
+    def _rewind(self, state: _Prefilled) -> None:
+        """Put the cache back to exactly the prefilled document."""
+        if state.snapshot is None:
+            extra = self.cache[0].offset - state.length
+            for c, saved in zip(self.cache, state.windows or [None] * len(self.cache)):
+                if saved is None:
+                    c.trim(extra)
+                else:
+                    c.restore(saved)  # also undoes flushes out of the exact window
+        else:
+            for c, (arrays, meta) in zip(self.cache, state.snapshot):
+                c.state = _copy_state(arrays)
+                c.meta_state = meta
+
+    # -- tasks --------------------------------------------------------------
+    def _sample(self, logits: mx.array, temperature: float, key: mx.array | None) -> int:
+        if temperature <= 0:
+            return int(mx.argmax(logits, axis=-1).item())
+        return int(mx.random.categorical(logits * (1.0 / temperature), key=key).item())
+
+    def run_task(self, state: _Prefilled, task: Any, task_ids: Sequence[int], *, on_token: Callable[[int], None] | None = None) -> TaskResult:
+        """Append the task tokens to the prefilled document, decode, rewind."""
+        t0 = time.perf_counter()
+        ids = mx.array(list(task_ids), dtype=mx.int32)[None]
+        try:
+            logits = self._forward(ids, None, self._positions(state, ids.shape[1]), logits=True)
+            mx.eval(logits)
+            t1 = time.perf_counter()
+            key = mx.random.key(self.seed) if task.temperature > 0 else None
+            out: list[int] = []
+            finish = "length"
+            while len(out) < task.max_tokens:
+                sub = None
+                if key is not None:
+                    key, sub = mx.random.split(key)
+                tok = self._sample(logits, task.temperature, sub)
+                if tok in self.eos_ids:
+                    finish = "stop"
+                    break
+                out.append(tok)
+                if on_token is not None:
+                    on_token(1)
+                if len(out) == task.max_tokens:
+                    break
+                step = mx.array([[tok]], dtype=mx.int32)
+                logits = self._forward(step, None, self._positions(state, 1), logits=True)
+            t2 = time.perf_counter()
+            nbytes_end = self.cache_nbytes()
+        finally:
+            self._rewind(state)
+        text = self.loaded.tokenizer.decode(out)
+        return TaskResult(
+            task=task.name,
+            text=text,
+            token_ids=out,
+            finish_reason=finish,
+            tokens={"document": state.length, "task_prompt": len(task_ids), "generated": len(out)},
+            timing={"prefill_s": round(state.prefill_s, 4), "task_prefill_s": round(t1 - t0, 4), "decode_s": round(t2 - t1, 4)},
+            cache=self.cache_record(state.nbytes, nbytes_end, state.doc_cache),
+        )
+
+    def cache_record(self, nbytes_prefill: int, nbytes_end: int | None = None, doc_cache: dict | None = None) -> dict:
+        spec = self.cache_spec
+        rec = {
+            "scheme": spec.kv_quant_scheme,
+            "kv_bits": spec.kv_bits if spec.kv_quant_scheme != "fp16" else None,
+            "nbytes_after_prefill": nbytes_prefill,
+            "nbytes_allocated": getattr(self, "allocated_after_prefill", None),
+            "prefill_chunk": spec.prefill_chunk,
+        }
+        if spec.kv_quant_scheme == "turboquant":
+            rec.update(key_bits=spec.key_bits, value_bits=spec.value_bits, window=spec.window,
+                       quantizer=spec.quantizer)
+        if nbytes_end is not None:
+            rec["nbytes_end_of_task"] = nbytes_end
+        if doc_cache is not None:
+            rec["doc_cache"] = doc_cache
+        return rec
+
+    def iter_process(
+        self,
+        prompt: DocumentPrompt,
+        tasks: Sequence[Any],
+        *,
+        on_prefill: Callable[[int], None] | None = None,
+        on_token: Callable[[int], None] | None = None,
+        key: DocKey | None = None,
+        info: dict | None = None,
+    ) -> Iterator[TaskResult]:
+        """Prefill ``prompt`` once (or load it: ``prepare``), then yield each
+        task's result as soon as it is done."""
+        reserve = max(len(prompt.task_ids[t.name]) + t.max_tokens for t in tasks)
+        state = self.prepare(prompt, reserve=reserve, key=key, info=info, on_tokens=on_prefill)
+        try:
+            for task in tasks:
+                yield self.run_task(state, task, prompt.task_ids[task.name], on_token=on_token)
+        finally:
+            self.cache = None
+            mx.clear_cache()
+
+    def process(self, prompt: DocumentPrompt, tasks: Sequence[Any], *, key: DocKey | None = None) -> list[TaskResult]:
+        """All task results of one document (see ``iter_process``)."""
+        return list(self.iter_process(prompt, tasks, key=key))
+
+
+def _chunks(total: int, step: int, spans: Sequence[tuple[int, int, dict]]) -> Iterator[tuple[int, int, list[dict]]]:
+    """Prefill chunks ``(start, end, image inputs inside)``: ``step`` tokens,
+    stretched where needed so no page image is split across two chunks (the
+    model merges a whole image's features into one run of image tokens)."""
+    start = 0
+    while start < total:
+        end = min(start + step, total)
+        for s, e, _ in spans:
+            if s < end < e:
+                end = e
+        yield start, end, [extra for s, e, extra in spans if start <= s and e <= end]
+        start = end
+
+
+def _copy_state(state: Any) -> Any:
+    """New array handles for a cache state, so in-place cache updates can't alter a snapshot."""
+    if isinstance(state, (list, tuple)):
+        return type(state)(_copy_state(s) for s in state)
+    return mx.array(state) if isinstance(state, mx.array) else state

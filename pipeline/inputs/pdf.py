@@ -1,0 +1,84 @@
+"""PDFs: the text of every selected page, and a rendered image where the job wants one.
+
+Images are rendered for pages that look scanned (``images: auto``), for every
+page (``always``) or for none (``never``).
+
+MuPDF repairs what it can and reports the rest as warnings rather than
+exceptions: a page whose content stream is garbage comes back as an empty
+page.  So a page counts as failed when MuPDF reported problems while reading
+it AND it yielded no text; a page with problems but some text is kept, with
+a note, since partial text beats none.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from pipeline.errors import IngestError
+from pipeline.inputs.discover import DocumentRef
+from pipeline.inputs.document import Document, Page, read_pages
+from pipeline.schema.job import ContextSpec
+
+#: A page with fewer stripped characters than this counts as "almost no text";
+#: scanned pages often carry a stray OCR'd page number or header.
+SCANNED_MAX_CHARS = 25
+
+# MuPDF keeps one process-wide warning buffer and pymupdf is not thread-safe:
+# one PDF is read at a time per process, so each page's warnings belong to it.
+_MUPDF_LOCK = threading.RLock()
+
+
+def read_pdf(ref: DocumentRef, context: ContextSpec, digest: str) -> Document:
+    """Read the selected pages of a PDF; raises :class:`IngestError` when the file as a whole is unusable."""
+    if ref.source.stat().st_size == 0:
+        raise IngestError(ref.source, "zero-byte file (still being copied?)")
+    with _MUPDF_LOCK:
+        return _read_pdf(ref, context, digest)
+
+
+def _read_pdf(ref: DocumentRef, context: ContextSpec, digest: str) -> Document:
+    import pymupdf
+
+    path = ref.source
+    try:
+        pdf = pymupdf.open(path, filetype="pdf")
+    except Exception as e:  # pymupdf raises FileDataError, RuntimeError, ...
+        raise IngestError(path, f"not a readable PDF (corrupt or not a PDF): {e}") from None
+    with pdf:
+        if pdf.needs_pass:
+            raise IngestError(path, "encrypted PDF: a password is required to read it")
+        count = pdf.page_count
+        if count == 0:
+            raise IngestError(path, "empty PDF: it has 0 pages")
+        return read_pages(ref, digest, count, context, lambda n: _read_pdf_page(pdf, n, context))
+
+
+def _read_pdf_page(pdf, number: int, context: ContextSpec) -> tuple[Page, list[str]]:
+    """One page: text, scanned flag, and an image if the job wants one.
+
+    Returns the page and notes; raises when MuPDF could not load the page's
+    content (see module docstring).
+    """
+    import pymupdf
+    from PIL import Image
+
+    notes: list[str] = []
+    with _MUPDF_LOCK:
+        pymupdf.TOOLS.mupdf_warnings(reset=True)
+        page = pdf.load_page(number - 1)
+        text = page.get_text()
+        stripped = len(text.strip())
+        scanned = stripped == 0 or (stripped < SCANNED_MAX_CHARS and bool(page.get_images(full=False)))
+        image = None
+        if context.images == "always" or (context.images == "auto" and scanned):
+            pix = page.get_pixmap(dpi=context.dpi, alpha=False)
+            image = Image.frombytes("RGB", (pix.width, pix.height), pix.samples)
+        problems = pymupdf.TOOLS.mupdf_warnings(reset=True).strip()
+    if problems:
+        summary = "; ".join(dict.fromkeys(p for p in problems.splitlines() if not p.startswith("...")))
+        if stripped == 0:
+            raise RuntimeError(f"MuPDF could not read the page content: {summary}")
+        notes.append(f"page {number}: MuPDF reported problems, text may be incomplete: {summary}")
+    if scanned and image is None:
+        notes.append(f"page {number}: looks scanned (no text layer) but images: never, so it is empty")
+    return Page(number=number, text=text, image=image, scanned=scanned), notes

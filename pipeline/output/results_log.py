@@ -1,0 +1,328 @@
+"""The results file: an append-only JSONL log that doubles as the checkpoint.
+
+Why one file and no separate progress database: the results ARE the
+progress.  A record is appended (and fsynced) as soon as a task finishes, so
+a rerun only has to read the file to know which keys are done, and there is
+no second file that could disagree with it.
+
+Durability rules, all enforced here:
+
+- A record is written with ONE ``os.write`` of the whole line on an
+  ``O_APPEND`` descriptor, then ``fsync``.  A ``kill -9`` can therefore leave
+  at most one torn line, at the end.
+- ``open()`` repairs such a torn tail: the bytes are moved to
+  ``<path>.torn-<timestamp>`` (never silently dropped) and the file is cut
+  back to its last complete line.  A tail that is a complete record whose
+  newline never made it is kept and given its newline.
+- If a write fails (ENOSPC, EIO, quota), the file is truncated back to its
+  size before the write and a :class:`CheckpointError` naming the file is
+  raised, so a half-written line never remains to be glued to the next one.
+
+Only one process may append to a results file at a time; the runner holds a
+:class:`pipeline.output.lock.JobLock` for that.  Readers (``summarize``,
+``iter_records``) never modify the file and are safe while a run appends.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterator
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from pipeline.errors import CheckpointError
+from pipeline.schema.record import json_default
+
+logger = logging.getLogger(__name__)
+
+_DUMP_OPTIONS = orjson.OPT_NON_STR_KEYS  # page numbers as dict keys
+_TAIL_BLOCK = 1 << 16
+
+
+def dumps_line(record: dict) -> bytes:
+    """One record as one JSON line.  orjson escapes newlines inside strings,
+    so the only b"\\n" is the terminator."""
+    return orjson.dumps(record, default=json_default, option=_DUMP_OPTIONS) + b"\n"
+
+
+def _fsync_dir(path: Path) -> None:
+    """Make a newly created file's directory entry durable (POSIX needs it)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # some filesystems (and all of Windows) refuse fsync on a directory
+    finally:
+        os.close(fd)
+
+
+def _last_newline_end(f, size: int) -> int:
+    """Offset just past the last b"\\n" in the file (0 if none), scanning
+    backwards in blocks so a multi-GB results file is not read whole."""
+    pos = size
+    while pos > 0:
+        start = max(0, pos - _TAIL_BLOCK)
+        f.seek(start)
+        block = f.read(pos - start)
+        i = block.rfind(b"\n")
+        if i >= 0:
+            return start + i + 1
+        pos = start
+    return 0
+
+
+def _parse_line(line: bytes) -> dict | None:
+    try:
+        obj = orjson.loads(line)
+    except orjson.JSONDecodeError:
+        return None
+    if isinstance(obj, dict) and isinstance(obj.get("key"), str):
+        return obj
+    return None
+
+
+def iter_records(path: Path) -> Iterator[dict]:
+    """Every intact record in ``path``, in file order, without modifying it.
+
+    A torn last line (a run in progress or a crash) and lines that are not
+    records are skipped with a warning (naming file and line number), so
+    they are recomputed rather than trusted.
+    """
+    path = Path(path)
+    try:
+        f = open(path, "rb")
+    except FileNotFoundError:
+        return
+    with f:
+        for lineno, line in enumerate(f, 1):
+            if not line.endswith(b"\n"):
+                logger.debug("%s: line %d is incomplete (torn or being written); ignored", path, lineno)
+                break
+            if not line.strip():
+                continue
+            record = _parse_line(line)
+            if record is None:
+                logger.warning("%s: line %d is not a valid record; ignored (it will be recomputed)", path, lineno)
+                continue
+            yield record
+
+
+class ResultLog:
+    """Append-only JSONL results with durable appends and a done-key index.
+
+    Use under the job lock::
+
+        with JobLock(out), ResultLog(out) as log:
+            if not log.is_done(key):
+                log.append(make_record(...))
+    """
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._fd: int | None = None
+        self._status: dict[str, str] = {}  # key -> "ok" once any ok record exists, else last status
+        self._broken: str | None = None
+
+    # -- lifecycle -------------------------------------------------------
+    def open(self) -> "ResultLog":
+        """Repair a torn tail, index the done keys, open for appending."""
+        if self._fd is not None:
+            return self
+        created = not self.path.exists()
+        self._repair_tail()
+        self._status.clear()
+        for record in iter_records(self.path):
+            self._note(record)
+        try:
+            self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise CheckpointError(f"{self.path}: cannot open results file for appending: {e.strerror or e}") from e
+        if created:
+            _fsync_dir(self.path.parent)
+        logger.debug("%s: %d done, %d failed keys", self.path, len(self.done_keys), len(self.failed_keys))
+        return self
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def __enter__(self) -> "ResultLog":
+        return self.open()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # -- repair ----------------------------------------------------------
+    def _repair_tail(self) -> None:
+        try:
+            f = open(self.path, "r+b")
+        except FileNotFoundError:
+            return
+        except OSError as e:
+            raise CheckpointError(f"{self.path}: cannot open results file: {e.strerror or e}") from e
+        with f:
+            size = os.fstat(f.fileno()).st_size
+            end = _last_newline_end(f, size)
+            if end == size:
+                return
+            f.seek(end)
+            tail = f.read(size - end)
+            if _parse_line(tail) is not None:
+                # The record is complete; only its newline was lost.  Keep it.
+                f.seek(size)
+                f.write(b"\n")
+                f.flush()
+                os.fsync(f.fileno())
+                logger.warning("%s: last record had no newline; completed it", self.path)
+                return
+            torn = self._torn_path()
+            try:
+                with open(torn, "xb") as t:
+                    t.write(tail)
+                    t.flush()
+                    os.fsync(t.fileno())
+                f.truncate(end)
+                f.flush()
+                os.fsync(f.fileno())
+            except OSError as e:
+                # Never cut the tail without a saved copy; never append after it either.
+                if torn.exists() and f.seek(0, os.SEEK_END) == size:
+                    torn.unlink(missing_ok=True)
+                raise CheckpointError(
+                    f"{self.path}: has a torn last line ({len(tail)} bytes) that could not be moved to"
+                    f" {torn}: {e.strerror or e}; free space and rerun"
+                ) from e
+            logger.warning(
+                "%s: removed a torn last line (%d bytes, from an interrupted run) and saved it to %s;"
+                " that record will be recomputed",
+                self.path, len(tail), torn,
+            )
+
+    def _torn_path(self) -> Path:
+        stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+        candidate = self.path.with_name(f"{self.path.name}.torn-{stamp}")
+        n = 1
+        while candidate.exists():
+            candidate = self.path.with_name(f"{self.path.name}.torn-{stamp}-{n}")
+            n += 1
+        return candidate
+
+    # -- writing ---------------------------------------------------------
+    def append(self, record: dict) -> None:
+        """Durably append one record: whole line, one write, fsync.
+
+        On failure the file is cut back to its previous size and a
+        CheckpointError naming the file is raised; the caller may retry
+        after freeing space.  Nothing is recorded as done unless the write
+        and fsync succeeded.
+        """
+        if self._fd is None:
+            raise CheckpointError(f"{self.path}: ResultLog.append() before open()")
+        if self._broken:
+            raise CheckpointError(self._broken)
+        key = record.get("key")
+        if not isinstance(key, str):
+            raise CheckpointError(f"{self.path}: record has no 'key' string; refusing to write it")
+        try:
+            line = dumps_line(record)
+        except (TypeError, orjson.JSONEncodeError) as e:
+            raise CheckpointError(f"{self.path}: record {key} cannot be serialized: {e}") from e
+        fd = self._fd
+        before = os.fstat(fd).st_size
+        try:
+            view = memoryview(line)
+            while view:  # a short write (no error) is continued, not left torn
+                n = os.write(fd, view)
+                view = view[n:]
+            os.fsync(fd)
+        except BaseException as e:  # also Ctrl-C between a short write and its rest
+            self._rollback(before, e)
+            if not isinstance(e, OSError):
+                raise
+            raise CheckpointError(
+                f"{self.path}: could not write record {key}: {e.strerror or e};"
+                f" the file was restored to its previous {before} bytes"
+            ) from e
+        self._note(record)
+
+    def _rollback(self, size: int, cause: BaseException) -> None:
+        try:
+            os.ftruncate(self._fd, size)
+            os.fsync(self._fd)
+        except OSError as e:
+            # Further appends would glue onto the partial line; refuse them.
+            # The next open() repairs the tail (and keeps the torn bytes).
+            self._broken = (
+                f"{self.path}: a failed write ({cause}) left a partial line that could"
+                f" not be removed ({e.strerror or e}); reopen the file to repair it"
+            )
+
+    # -- index -----------------------------------------------------------
+    def _note(self, record: dict) -> None:
+        key, status = record["key"], record.get("status")
+        if self._status.get(key) != "ok":
+            self._status[key] = "ok" if status == "ok" else "error"
+
+    def is_done(self, key: str, *, include_failed: bool = True) -> bool:
+        """True if ``key`` has an ok record, or an error record and
+        ``include_failed`` (pass False to retry failed ones)."""
+        status = self._status.get(key)
+        return status == "ok" or (status == "error" and include_failed)
+
+    @property
+    def done_keys(self) -> set[str]:
+        return {k for k, s in self._status.items() if s == "ok"}
+
+    @property
+    def failed_keys(self) -> set[str]:
+        """Keys whose every record is an error (a later ok record clears it)."""
+        return {k for k, s in self._status.items() if s != "ok"}
+
+    def records(self) -> Iterator[dict]:
+        """Every intact record in file order (retried keys appear more than once)."""
+        return iter_records(self.path)
+
+
+def latest_records(path: Path) -> dict[str, dict]:
+    """The record that counts for each key: the last ok one, else the last error."""
+    latest: dict[str, dict] = {}
+    for record in iter_records(path):
+        prev = latest.get(record["key"])
+        if prev is None or record.get("status") == "ok" or prev.get("status") != "ok":
+            latest[record["key"]] = record
+    return latest
+
+
+def summarize(path: Path, expected_keys: set[str]) -> dict:
+    """Counts for ``tqpipe status``: of ``expected_keys`` (every document x
+    task under the current config), how many are done, failed, pending;
+    plus ``stale``: keys in the file the current job no longer produces
+    (an edited task or a removed document).  Read-only, safe during a run."""
+    status: dict[str, str] = {}
+    records = 0
+    for record in iter_records(path):
+        records += 1
+        key = record["key"]
+        if status.get(key) != "ok":
+            status[key] = "ok" if record.get("status") == "ok" else "error"
+    expected = set(expected_keys)
+    done = sum(1 for k in expected if status.get(k) == "ok")
+    failed = sum(1 for k in expected if status.get(k) == "error")
+    return {
+        "path": str(path),
+        "expected": len(expected),
+        "done": done,
+        "failed": failed,
+        "pending": len(expected) - done - failed,
+        "stale": len(set(status) - expected),
+        "records": records,
+    }
