@@ -101,7 +101,8 @@ def _layer_state(cache: Any, cid: str) -> Any:
 
 
 def _crc(a: mx.array) -> int:
-    return zlib.crc32(memoryview(mx.view(mx.contiguous(a), mx.uint8)))
+    """CRC-32 of a row-contiguous array's bytes (any dtype, bfloat16 included)."""
+    return zlib.crc32(memoryview(mx.view(a, mx.uint8)))
 
 
 def _dumps(obj: Any) -> str:
@@ -135,6 +136,7 @@ def write(path: Path, caches: list, prefix_ids: list[int], *, key: dict, info: d
             leaves.append([path_key, leaf])
         else:
             raise UnsupportedCache(f"state leaf {path_key} of type {type(leaf).__name__}")
+    tensors = {name: mx.contiguous(a) for name, a in tensors.items()}  # one copy, shared by CRC and save
     mx.eval(list(tensors.values()))
     metadata = {
         "format": FORMAT,

@@ -148,3 +148,14 @@ def test_class_ids():
     assert kv_file.class_id(TurboQuantKVCache()) == "turboquant.TurboQuantKVCache"
     assert kv_file.class_id(KVCache()) == "mlx_lm.KVCache"
     assert kv_file.class_id(QuantizedKVCache()) == "mlx_lm.QuantizedKVCache"
+
+
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
+def test_half_precision_caches_round_trip_bit_exactly(tmp_path, dtype):
+    cache = KVCache()
+    k = mx.random.normal((1, 2, 40, 64)).astype(dtype)
+    cache.update_and_fetch(k, -k)
+    kv_file.write(tmp_path / "c.safetensors", [cache], [1, 2], key=KEY, info={})
+    (back,) = kv_file.read(tmp_path / "c.safetensors", key=KEY).caches
+    assert back.keys.dtype == dtype and back.offset == 40
+    assert mx.array_equal(back.keys, k).item() and mx.array_equal(back.values, -k).item()
