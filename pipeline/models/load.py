@@ -47,6 +47,7 @@ __all__ = [
     "is_vlm_config",
     "load_model",
     "models_home",
+    "require_mlx_vlm",
     "resolve_model_dir",
 ]
 
@@ -54,6 +55,7 @@ BUILTIN_TEXT = "builtin:smollm2-135m-instruct"
 BUILTIN_VLM = "builtin:tiny-qwen2-vl"
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 _EXAMPLE_VLM = "mlx-community/Qwen2-VL-2B-Instruct-4bit"
+VLM_INSTALL = "pip install 'tqpipe[vlm]'"
 
 
 class ModelLoadError(ValueError):
@@ -80,6 +82,7 @@ def builtin_text_model_dir() -> Path:
 
 def builtin_vlm_dir() -> Path:
     """The seeded tiny Qwen2-VL directory, built once and cached."""
+    require_mlx_vlm(f"the built-in model {BUILTIN_VLM} (for documents with page images)")
     return ensure_tiny_vlm(models_home() / "tiny-qwen2-vl")
 
 
@@ -152,6 +155,16 @@ def _module_exists(name: str) -> bool:
         return False
 
 
+def require_mlx_vlm(what: str) -> None:
+    """Fail early, naming the extra to install, when mlx-vlm is missing.
+
+    mlx-vlm is the optional ``vlm`` extra: it requires ~0.8 GB of packages
+    (datasets, opencv, mlx-audio...) that text-only jobs never use.
+    """
+    if not _module_exists("mlx_vlm"):
+        raise ModelLoadError(f"{what} is a vision-language model and needs mlx-vlm, which is not installed: {VLM_INSTALL}")
+
+
 def is_vlm_config(config: dict) -> bool:
     """Whether a config describes a vision-language model (loaded with mlx-vlm).
 
@@ -207,6 +220,8 @@ def load_model(path: str | None, *, needs_images: bool = False) -> LoadedModel:
             f"needs page images; set model.path to a vision-language model (e.g. "
             f"{_EXAMPLE_VLM}) or leave it unset for the built-in tiny VLM"
         )
+    if vlm:
+        require_mlx_vlm(f"model {path!r}")
     try:
         if vlm:
             import mlx_vlm

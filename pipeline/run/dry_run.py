@@ -36,11 +36,13 @@ def tokenizer_only(path: str | None, images: bool) -> PromptBuilder:
     """A prompt builder from the model folder's tokenizer (and processor) files, no weights."""
     import importlib
 
-    from pipeline.models.load import builtin_text_model_dir, builtin_vlm_dir, is_vlm_config, read_config, resolve_model_dir
+    from pipeline.models.load import (builtin_text_model_dir, builtin_vlm_dir, is_vlm_config, read_config,
+                                      require_mlx_vlm, resolve_model_dir)
 
     model_dir = (builtin_vlm_dir() if images else builtin_text_model_dir()) if path is None else resolve_model_dir(path)
     config = read_config(model_dir)
     if is_vlm_config(config):
+        require_mlx_vlm(f"model {path!r}")
         importlib.import_module(f"mlx_vlm.models.{config['model_type'].replace('-', '_')}")  # registers its processor
         from mlx_vlm.utils import load_processor
 

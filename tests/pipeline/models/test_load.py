@@ -105,6 +105,17 @@ def test_text_model_asked_for_images(smollm2_dir):
     assert str(smollm2_dir) in str(e.value)
 
 
+def test_vlm_without_mlx_vlm_names_the_extra(tmp_path, monkeypatch):
+    module_exists = models._module_exists
+    monkeypatch.setattr(models, "_module_exists", lambda name: not name.startswith("mlx_vlm") and module_exists(name))
+    with pytest.raises(ModelLoadError, match=r"builtin:tiny-qwen2-vl.*pip install 'tqpipe\[vlm\]'"):
+        load_model(None, needs_images=True)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2_vl", "vision_config": {"depth": 2}}))
+    with pytest.raises(ModelLoadError, match=r"needs mlx-vlm, which is not installed: pip install 'tqpipe\[vlm\]'") as e:
+        load_model(str(tmp_path))
+    assert str(tmp_path) in str(e.value)
+
+
 @pytest.mark.parametrize("path", ["/no/such/model-dir", "./missing-model", "~/no-such-tqpipe-model"])
 def test_missing_local_path(path):
     with pytest.raises(ModelLoadError, match="does not exist") as e:

