@@ -1,6 +1,6 @@
 """Decode/prefill attention on the packed TurboQuant cache vs fp16 and affine 4-bit.
 
-  python benchmarks/gpu_attention.py [--lengths 8k,32k,128k,512k,1M] [--json out.json]
+  python -m benchmarks.gpu_attention [--lengths 8k,32k,128k,512k,1M] [--generation 32k,128k] [--json out.json]
 
 One run prints, for 32 query heads / 8 KV heads / head dim 128, batch 1:
 
@@ -8,8 +8,12 @@ One run prints, for 32 query heads / 8 KV heads / head dim 128, batch 1:
   ``mx.fast.scaled_dot_product_attention``, MLX affine 4-bit quantized
   attention (``mx.quantized_matmul`` on the cache, as mlx-lm's
   ``quantized_scaled_dot_product_attention`` does) and the TurboQuant kernels
-  at 2.5, 3.5 and 4 bits, with the bytes of cache each reads and the
-  effective bandwidth against a measured device copy rate;
+  at 2.5, 3.5 and 4 bits (the split-K kernel ``route.choose`` picks; on
+  CUDA also the tc and SIMT kernels), the whole decode step (fused, and the
+  split-K kernel with the MLX ops around it), with the bytes of cache each
+  reads and the effective bandwidth against a measured device copy rate;
+* optionally (``--generation``) a generation loop: 32 dependent calls per
+  token, tokens pipelined with ``mx.async_eval``;
 * quantize-on-append for one token (8 heads, keys + values) vs a decode step,
   the cache's batched flush (64 tokens) amortized per step, and real decode
   steps on a TurboQuantKVCache with per-token vs batched flushing;
@@ -27,7 +31,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
 import time
 from pathlib import Path
@@ -39,11 +42,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import turboquant  # noqa: E402,F401  (before mlx.core)
 import mlx.core as mx  # noqa: E402
 
-from turboquant import kernels  # noqa: E402
+from turboquant.attention import Route, turboquant_attention  # noqa: E402
+from turboquant.attention.compose import dequant_sdpa_attention, split_k_attention  # noqa: E402
+from turboquant.attention.device import backend  # noqa: E402
+from turboquant.attention.launchers import decode, quantize  # noqa: E402
+from turboquant.attention.route import split_k_route  # noqa: E402
 from turboquant.codec import TurboQuantCodec  # noqa: E402
 from turboquant.packing import packed_words  # noqa: E402
+from turboquant.policy import resolve_bits  # noqa: E402
 from turboquant.rotation import HadamardRotation  # noqa: E402
-from turboquant.widths import resolve_bits  # noqa: E402
 
 HQ, HKV, D = 32, 8, 128
 SCALE = D**-0.5
@@ -226,11 +233,13 @@ def tq_cache_bytes(n: int, kv_bits: float) -> int:
     return HKV * n * 4 * (packed_words(D, kb) + packed_words(D, vb) + 1)
 
 
-def tq_decode_fn(c, q_rot):
+def tq_decode_fn(c, q_rot, route: Route | None = None):
+    """The split-K kernel alone (``route``: default, the one ``choose`` runs)."""
     kc, vc = c.key_codec, c.value_codec
-    return lambda: kernels.decode(
+    route = route or split_k_route(backend(), D, c.keys_norms.shape[2], q_rot.shape[2])
+    return lambda: decode(
         q_rot, c.keys_packed, c.keys_norms, c.values_packed, c.values_norms,
-        kc.centroids, vc.centroids, c.packed_len, kc.bits, vc.bits,
+        kc.centroids, vc.centroids, c.packed_len, kc.bits, vc.bits, route,
     )[0]
 
 
@@ -249,23 +258,19 @@ def window_keys() -> mx.array:
 def whole_step(wk):
     """``step(x, cache)``: the decode attention step as a model calls it,
     ``turboquant_attention`` over a packed cache and the window ``wk``."""
-    return lambda x, c: kernels.turboquant_attention(x, wk, wk, c, SCALE, None)
+    return lambda x, c: turboquant_attention(x, wk, wk, c, SCALE, None)
+
+
+def split_k_step(wk):
+    """``step(x, cache)``: the same step through the split-K kernel (tc8 on
+    CUDA) and the ~20 MLX ops around it, instead of the fused launch."""
+    return lambda x, c: split_k_attention(x, wk, wk, c, SCALE, None, Route.TC8 if backend() == "cuda" else Route.SIMT)
 
 
 # ------------------------------------------------------------------ sections
 
 
-def parse_step_rows(spec: str) -> dict:
-    """``--step-rows``: 'LABEL:K=V,K=V;...' -> {row label: environment}, extra
-    rows of the one-launch step with other launch settings (TQ_TC8_*)."""
-    rows = {}
-    for item in filter(None, spec.split(";")):
-        label, _, env = item.partition(":")
-        rows[f"tq 3.5 step {label}"] = dict(kv.split("=", 1) for kv in env.split(",") if kv)
-    return rows
-
-
-def bench_decode(lengths, results, bw, step_rows=None):
+def bench_decode(lengths, results, bw):
     q = mx.random.normal((1, HQ, 1, D)).astype(mx.float16)
     q_rot = (q.astype(mx.float32) * SCALE).reshape(1, HKV, HQ // HKV, D)
     hdr = (f"{'tokens':>8} {'method':<22} {'ms/token':>9} {'MB read':>9} {'vs fp16':>8}"
@@ -279,9 +284,7 @@ def bench_decode(lengths, results, bw, step_rows=None):
         row = {}
         # One batch size for every method at this length (the largest copy
         # count, i.e. the smallest cache's): the per-evaluation overhead is
-        # then spread over the same number of calls for everyone.  (Before
-        # this, each method's batch was its own copy count, which at 8k-32k
-        # gave the small TurboQuant caches 2-4x larger batches than fp16.)
+        # then spread over the same number of calls for everyone.
         batch = max(8, copies_for(tq_cache_bytes(n, 2.5)))
         k, v = fp16_cache(n)
         nb = k.nbytes + v.nbytes
@@ -306,30 +309,18 @@ def bench_decode(lengths, results, bw, step_rows=None):
 
             t = timeit2([tq_decode_fn(c, q_rot) for c in cs], batch=batch)
             row[f"turboquant {kv_bits}-bit"] = (t, timeit_chain(kernel_step, q_rot, cs, batch), c0.nbytes)
-            if kv_bits == 3.5 and kernels.decode_impl(D, HQ // HKV) != "simt":  # the other kernels
-                for impl, label in (("tc", "tq 3.5 tc16 kernel"), ("simt", "tq 3.5 simt kernel")):
-                    os.environ["TQ_DECODE_IMPL"] = impl
-                    t = timeit2([tq_decode_fn(c, q_rot) for c in cs], batch=batch)
-                    row[label] = (t, timeit_chain(kernel_step, q_rot, cs, batch), c0.nbytes)
-                    os.environ.pop("TQ_DECODE_IMPL")
+            if kv_bits == 3.5 and backend() == "cuda":  # the other kernels, as arguments
+                for route, label in ((Route.TC, "tq 3.5 tc16 kernel"), (Route.SIMT, "tq 3.5 simt kernel")):
+                    t = timeit2([tq_decode_fn(c, q_rot, route) for c in cs], batch=batch)
+                    row[label] = (t, timeit_chain(lambda x, c, r=route: tq_decode_fn(c, x, r)(), q_rot, cs, batch),
+                                  c0.nbytes)
             if kv_bits == 3.5:  # whole attention: rotations, 128-token window, merge
                 wk = window_keys()
-                step = whole_step(wk)
-                full = [lambda c=c: step(q, c) for c in cs]
-                os.environ["TQ_DECODE_FUSED"] = "1"
-                for label, env in {"tq 3.5 whole step": {}, **(step_rows or {})}.items():
-                    os.environ.update(env)
-                    try:  # one launch (tq_decode_tc8_fused) where it applies
-                        row[label] = (timeit2(full, batch=batch), timeit_chain(step, q, cs, batch),
-                                      c0.nbytes + 2 * wk.nbytes)
-                    except Exception as e:  # noqa: BLE001  (keep the rest of the table)
-                        print(f"  {label} failed at {n}: {e}")
-                    for key in env:
-                        os.environ.pop(key)
-                os.environ["TQ_DECODE_FUSED"] = "0"
-                row["tq 3.5 step, op-by-op"] = (timeit2(full, batch=batch), timeit_chain(step, q, cs, batch),
-                                                c0.nbytes + 2 * wk.nbytes)  # the kernel + ~20 MLX ops around it
-                os.environ.pop("TQ_DECODE_FUSED")
+                for label, step in (("tq 3.5 whole step", whole_step(wk)),
+                                    ("tq 3.5 step, op-by-op", split_k_step(wk))):
+                    full = [lambda c=c, s=step: s(q, c) for c in cs]
+                    row[label] = (timeit2(full, batch=batch), timeit_chain(step, q, cs, batch),
+                                  c0.nbytes + 2 * wk.nbytes)
             del cs, c0
         (base, base_e), base_c, _ = row["fp16 sdpa"]
         for name, ((t, te), tc, nbytes) in row.items():
@@ -339,167 +330,6 @@ def bench_decode(lengths, results, bw, step_rows=None):
         results.setdefault("decode", {})[n] = {k_: {"s": t, "eval_s": te, "chain_s": tc, "bytes": b}
                                                for k_, ((t, te), tc, b) in row.items()}
         mx.clear_cache()
-
-
-def bench_decode_variants(n, results, blocks_list=(264, 528, 1056)):
-    """Launch-shape sweep of the default (tc8) decode kernel: warps x threadgroups at one length."""
-    q_rot = mx.random.normal((1, HKV, HQ // HKV, D)) * SCALE
-    c0 = tq_cache(n, 3.5)
-    cs = [c0] + [tq_cache(n, 3.5, seed=i + 1) for i in range(copies_for(c0.nbytes) - 1)]
-    print(f"\n== tc8 decode kernel launch shapes at {n} tokens, 3.5-bit")
-    best = None
-    for nw, pf, vc, l2 in ((4, 1, 1, 0), (4, 1, 1, 1), (4, 1, 0, 1), (8, 1, 1, 1), (4, 2, 1, 1)):
-        for blocks in blocks_list:
-            os.environ.update(TQ_TC8_NW=str(nw), TQ_TC8_PF=str(pf), TQ_TC8_VC32=str(vc),
-                              TQ_TC8_BLOCKS=str(blocks), TQ_TC8_L2PF=str(l2))
-            tag = f"NW={nw} PF={pf} VC32={vc} L2PF={l2} blocks={blocks:>4}"
-            try:
-                t = timeit([tq_decode_fn(c, q_rot) for c in cs], repeats=5)
-            except Exception as e:  # noqa: BLE001
-                print(f"  {tag}: failed {e}")
-                continue
-            print(f"  {tag}: {t * 1e3:.4f} ms")
-            results.setdefault("variants", {})[f"{n}/{nw}/{pf}/{vc}/{l2}/{blocks}"] = t
-            if best is None or t < best[0]:
-                best = (t, tag)
-    for key in ("TQ_TC8_NW", "TQ_TC8_PF", "TQ_TC8_VC32", "TQ_TC8_BLOCKS", "TQ_TC8_L2PF"):
-        os.environ.pop(key, None)
-    return best
-
-
-# VC32/PF/MINB/NW/blocks: the default (8 warps), then its neighbours: 4 warps
-# (the default until session 15), other threadgroup counts, the 16-copy
-# value table, two prefetched tiles (uncapped registers)
-STEP_SHAPES = "1/1/2/8/264,1/1/4/4/264,1/1/2/8/132,1/1/2/8/528,0/1/2/8/264,1/2/0/4/264"
-_SHAPE_ENV = ("TQ_TC8_VC32", "TQ_TC8_PF", "TQ_TC8_MINBLOCKS", "TQ_TC8_NW", "TQ_TC8_BLOCKS")
-
-
-def bench_step_variants(n, results, shapes=STEP_SHAPES):
-    """Launch shapes of the one-launch decode step at one length, each
-    ``VC32/PF/MINB/NW/blocks`` (``TQ_TC8_*``): at short contexts every
-    threadgroup's fixed work (copying the pair tables into shared memory,
-    rotating q) weighs more; at long ones the bytes in flight per SM decide."""
-    q = mx.random.normal((1, HQ, 1, D)).astype(mx.float16)
-    step = whole_step(window_keys())
-    c0 = tq_cache(n, 3.5)
-    cs = [c0] + [tq_cache(n, 3.5, seed=i + 1) for i in range(copies_for(c0.nbytes) - 1)]
-    batch = max(8, copies_for(tq_cache_bytes(n, 2.5)))  # as in the decode table
-    print(f"\n== one-launch decode step launch shapes at {n} tokens, 3.5-bit (batch {batch})")
-    os.environ["TQ_DECODE_FUSED"] = "1"
-    for shape in shapes.split(","):
-        os.environ.update(zip(_SHAPE_ENV, shape.split("/")))
-        tag = " ".join(f"{k[7:]}={v}" for k, v in zip(_SHAPE_ENV, shape.split("/")))
-        try:
-            t = timeit2([lambda c=c: step(q, c) for c in cs], batch=batch)
-            tc = timeit_chain(step, q, cs, batch)
-        except Exception as e:  # noqa: BLE001
-            print(f"  {tag}: failed {e}")
-            continue
-        print(f"  {tag}: {t[0] * 1e3:.4f} ms  eval only {t[1] * 1e3:.4f} ms  chained {tc * 1e3:.4f} ms")
-        results.setdefault("step_variants", {})[f"{n}/{shape}"] = (*t, tc)
-    for key in ("TQ_DECODE_FUSED",) + _SHAPE_ENV:
-        os.environ.pop(key, None)
-
-
-_COPY_KERNELS: dict = {}
-
-
-def _copy_kernel(n_inputs: int = 2):
-    """A custom kernel that only copies q (one thread per element), reading
-    one word of each of its other ``n_inputs - 1`` inputs: what any
-    ``mx.fast.cuda_kernel`` launch with that many inputs costs as a node of
-    a dependent chain (the one-launch decode step takes 15)."""
-    if n_inputs not in _COPY_KERNELS:
-        make = mx.fast.metal_kernel if kernels.backend() == "metal" else mx.fast.cuda_kernel
-        idx = ("thread_position_in_grid.x" if kernels.backend() == "metal"
-               else "blockIdx.x * blockDim.x + threadIdx.x")
-        names = ["q"] + [f"z{i}" for i in range(n_inputs - 1)]
-        flag = " + ".join(f"{n}[0]" for n in names[1:])
-        _COPY_KERNELS[n_inputs] = make(
-            name=f"tq_floor_copy{n_inputs}", input_names=names, output_names=["out"],
-            source=f"unsigned int i = {idx}; out[i] = q[i] + (({flag}) ? 1.0f : 0.0f);")
-    return _COPY_KERNELS[n_inputs]
-
-
-def bench_floor(n, results):
-    """Per-call time of a dependent chain for launches that do (almost) no
-    work: a bare custom-kernel copy of q, the same with a fresh zeroed input
-    (the counter node the one-launch step had before its counter ring) and
-    with 15 inputs (as many as the step had then), fp16 SDPA and the
-    one-launch step
-    on ``n`` tokens.  At 8k-32k tokens the decode table's chain figures sit
-    close to these floors: they say how much of a short-context step is
-    launch and evaluation overhead rather than attention."""
-    q = mx.random.normal((1, HQ, 1, D)).astype(mx.float16)
-    z0 = mx.zeros((8,), mx.uint32)
-    zs = [mx.zeros((8,), mx.uint32) for _ in range(14)]
-    batch = 64
-
-    def copy(x, *z):
-        return _copy_kernel(1 + len(z))(inputs=[x, *z], grid=(x.size, 1, 1), threadgroup=(256, 1, 1),
-                                         output_shapes=[x.shape], output_dtypes=[x.dtype])[0]
-
-    q32 = q.astype(mx.float32)  # the copy kernel's rows run on float32 (no half arithmetic in its source)
-    rows = {  # name: (step(x, cache), its one cache, first query)
-        "custom-kernel copy": (lambda x, _: copy(x, z0), None, q32),
-        "copy + zeros node": (lambda x, _: copy(x, mx.zeros((8,), mx.uint32)), None, q32),
-        "copy, 15 inputs": (lambda x, _: copy(x, *zs), None, q32),
-        f"fp16 sdpa {n}": (fp16_step, fp16_cache(n), q),
-        f"tq 3.5 step {n}": (whole_step(window_keys()), tq_cache(n, 3.5), q),
-    }
-    print(f"\n== per-call floor: ms per call, batch {batch} (eval only: independent calls; chained: dependent)")
-    out = {}
-    for name, (f, c, x0) in rows.items():
-        t = timeit2([lambda f=f, c=c, x0=x0: f(x0, c)], batch=batch)
-        tc = timeit_chain(f, x0, [c], batch)
-        out[name] = (*t, tc)
-        print(f"  {name:<22} {t[0] * 1e3:.4f} ms  eval only {t[1] * 1e3:.4f} ms  chained {tc * 1e3:.4f} ms")
-    results.setdefault("floor", {})[n] = out
-
-
-def _fill_node_step(wk):
-    """``whole_step(wk)`` with a zero-filled split-counter array per call, as
-    the one-launch step had before its plans kept a ring of counter sets:
-    one fill node + the kernel per call (the counter-ring comparison)."""
-    step = whole_step(wk)
-
-    def run(x, c):
-        plan = kernels._step_plan(x, wk, wk, c, SCALE)
-        if plan is not None:
-            plan.counters = mx.zeros(plan.counters.shape, mx.uint32)  # a fill node, not evaluated here
-        return step(x, c)
-    return run
-
-
-def bench_chain_batch(n, results, batches=(8, 32, 128)):
-    """Chained per-call time against the number of chained calls per
-    evaluation, fp16 SDPA and the one-launch step (with its ring of counter
-    sets, and with a zero-filled counter array per call as before): a cost
-    paid once per evaluation (building and launching the first CUDA graph
-    before the GPU starts) is spread over fewer calls in the decode table's
-    long-context rows (batch 8) than over a 32-layer model's attention calls
-    per token."""
-    q = mx.random.normal((1, HQ, 1, D)).astype(mx.float16)
-    wk = window_keys()
-    c = tq_cache(n, 3.5)
-    fns = {"fp16 sdpa": (fp16_step, fp16_cache(n)), "tq 3.5 whole step": (whole_step(wk), c),
-           "fill node per call": (_fill_node_step(wk), c)}
-    ops = os.environ.get("MLX_MAX_OPS_PER_BUFFER", "default")
-    print(f"\n== chained calls per evaluation at {n} tokens (ms per call; MLX_MAX_OPS_PER_BUFFER={ops})")
-    print("   'fill node per call': the step with a zero-filled split-counter array per call instead")
-    print("   of the plan's ring of counter sets (the step before the ring)")
-    out = {}
-    for b in batches:
-        row = {name: timeit_chain(f, q, [c_], b) for name, (f, c_) in fns.items()}
-        out[b] = row
-        print(f"  batch {b:>3}: " + "  ".join(f"{k_} {t * 1e3:.4f}" for k_, t in row.items())
-              + f"  ({row['fp16 sdpa'] / row['tq 3.5 whole step']:.2f}x;"
-              + f" fill node {row['fp16 sdpa'] / row['fill node per call']:.2f}x)")
-    if len(batches) >= 2:  # a cost paid once per evaluation: t(b) = c + E / b
-        b0, b1 = batches[0], batches[-1]
-        print("  per-evaluation cost from the first and last batch (us): " + "  ".join(
-            f"{k_} {(out[b0][k_] - out[b1][k_]) * b0 * b1 / (b1 - b0) * 1e6:.0f}" for k_ in out[b0]))
-    results.setdefault("chain_batch", {})[n] = {"max_ops": ops, **out}
 
 
 def bench_generation(lengths, results, layers: int = 32):
@@ -534,69 +364,6 @@ def bench_generation(lengths, results, layers: int = 32):
     results["generation"] = out
 
 
-def bench_counter_node(n, results):
-    """Whole decode step as independent calls (which MLX may run side by
-    side), with the plan's ring of counter sets (the default) and with a
-    zero-filled counter array per call (one fill node + the kernel)."""
-    q = mx.random.normal((1, HQ, 1, D)).astype(mx.float16)
-    wk = window_keys()
-    step = whole_step(wk)
-    cs = [tq_cache(n, 3.5, seed=i) for i in range(copies_for(tq_cache_bytes(n, 3.5)))]
-    fill = _fill_node_step(wk)
-    out = {}
-    print(f"\n== split counters at {n} tokens, independent calls: ring of sets vs a fill node per call (ms per call)")
-    for batch in (max(8, copies_for(tq_cache_bytes(n, 2.5))), 128):
-        for name, f in (("ring", step), ("fill node", fill)):
-            out[f"{name}/{batch}"] = timeit([lambda c=c, f=f: f(q, c) for c in cs], batch=batch)
-        print(f"  batch {batch:>4}: " + "  ".join(f"{m} {out[f'{m}/{batch}'] * 1e3:.4f}" for m in ("ring", "fill node")))
-    results.setdefault("counter_node", {})[n] = out
-
-
-def bench_batch(n, results):
-    """Per-call time against the number of calls per evaluation: how much of
-    a short-context figure is MLX's per-evaluation overhead (same for every
-    method) rather than the attention itself."""
-    q = mx.random.normal((1, HQ, 1, D)).astype(mx.float16)
-    q_rot = (q.astype(mx.float32) * SCALE).reshape(1, HKV, HQ // HKV, D)
-    caches = [fp16_cache(n) for _ in range(copies_for(2 * HKV * n * D * 2))]
-    tqs = [tq_cache(n, 3.5, seed=i) for i in range(copies_for(caches[0][0].nbytes // 4))]
-    step = whole_step(window_keys())
-    fns = {
-        "fp16 sdpa": [lambda c=c: fp16_step(q, c) for c in caches],
-        "tq 3.5 kernel": [tq_decode_fn(c, q_rot) for c in tqs],
-        "tq 3.5 whole step": [lambda c=c: step(q, c) for c in tqs],
-    }
-    os.environ["TQ_DECODE_FUSED"] = "1"  # the one-launch step
-    print(f"\n== calls per evaluation at {n} tokens (ms per call; x = fp16 time / this)")
-    for batch in (8, 32, 128):
-        ts = {}
-        for name, f in fns.items():
-            try:
-                ts[name] = timeit(f, batch=batch)
-            except Exception as e:  # noqa: BLE001
-                print(f"  {name} failed: {e}")
-        tf = ts["fp16 sdpa"]
-        print(f"  batch {batch:>4}: " + "  ".join(
-            f"{name} {t * 1e3:.4f}" + ("" if name == "fp16 sdpa" else f" ({tf / t:.2f}x)") for name, t in ts.items()))
-        results.setdefault("batch", {})[f"{n}/{batch}"] = ts
-    # Host time to build one call's graph (Python + MLX op construction, no
-    # evaluation): timeit's batches build every call before evaluating, so
-    # this is part of each figure above.
-    host = {}
-    for name, f in fns.items():
-        if name not in ts:
-            continue
-        for _ in range(20):
-            f[0]()
-        t0 = time.perf_counter()
-        for i in range(200):
-            f[i % len(f)]()
-        host[name] = (time.perf_counter() - t0) / 200
-    print("  host graph build per call: " + "  ".join(f"{k} {v * 1e6:.1f} us" for k, v in host.items()))
-    results.setdefault("host_build", {})[n] = host
-    os.environ.pop("TQ_DECODE_FUSED")
-
-
 def bench_append(n, results):
     """Quantize-on-append of one decode token (8 heads, K and V) vs a decode step."""
     c = tq_cache(n, 3.5)
@@ -604,13 +371,13 @@ def bench_append(n, results):
     x = [mx.random.normal((1, HKV, 1, D)).astype(mx.float16) for _ in range(16)]
     kc, vc = c.key_codec, c.value_codec
     t_step = timeit([tq_decode_fn(c, q_rot)], batch=16)
-    t_kernel = timeit([lambda xi=xi: kernels.quantize(xi, kc) + kernels.quantize(xi, vc) for xi in x])
+    t_kernel = timeit([lambda xi=xi: quantize(xi, kc) + quantize(xi, vc) for xi in x])
     t_ref = timeit([lambda xi=xi: tuple(kc.quantize(xi)) + tuple(vc.quantize(xi)) for xi in x])
     print(f"\n== quantize-on-append, 1 token x 8 heads, keys (3-bit) + values (4-bit), at {n} tokens")
     print(f"  fused kernel      {t_kernel * 1e3:.4f} ms  = {100 * t_kernel / t_step:.1f}% of a decode step ({t_step * 1e3:.4f} ms)")
     print(f"  reference codec   {t_ref * 1e3:.4f} ms  = {100 * t_ref / t_step:.1f}%")
     xb = mx.random.normal((1, HKV, 4096, D)).astype(mx.float16)
-    t_chunk = timeit([lambda: kernels.quantize(xb, kc) + kernels.quantize(xb, vc)], batch=8)
+    t_chunk = timeit([lambda: quantize(xb, kc) + quantize(xb, vc)], batch=8)
     t_chunk_ref = timeit([lambda: tuple(kc.quantize(xb)) + tuple(vc.quantize(xb))], batch=8)
     print(f"  4096-token chunk: kernel {t_chunk * 1e3:.3f} ms, reference codec {t_chunk_ref * 1e3:.3f} ms")
     results["append"] = {"kernel": t_kernel, "reference": t_ref, "decode_step": t_step,
@@ -619,7 +386,7 @@ def bench_append(n, results):
     # = window // 2): one launch pair per 64 steps.
     fb = 64
     xf = [mx.random.normal((1, HKV, fb, D)).astype(mx.float16) for _ in range(8)]
-    t_flush = timeit([lambda xi=xi: kernels.quantize(xi, kc) + kernels.quantize(xi, vc) for xi in xf])
+    t_flush = timeit([lambda xi=xi: quantize(xi, kc) + quantize(xi, vc) for xi in xf])
     print(f"  flush of {fb} tokens (the cache's batch): {t_flush * 1e3:.4f} ms = "
           f"{t_flush / fb * 1e3:.5f} ms per decode step = {100 * t_flush / fb / t_step:.2f}% of a decode step")
     results["append"].update(flush_batch=fb, flush=t_flush, amortized=t_flush / fb)
@@ -636,9 +403,7 @@ def decode_loop(n, results, steps=256):
     ks = [mx.random.normal((1, HKV, 1, D)).astype(mx.float16) for _ in range(steps)]
     q = mx.random.normal((1, HQ, 1, D)).astype(mx.float16)
     out, cold = {}, {}
-    for name, fb, fused in (("flush every token", 1, "1"), ("flush batch 64 (default)", None, "1"),
-                            ("flush 64, op-by-op step", None, "0")):
-        os.environ["TQ_DECODE_FUSED"] = fused  # one launch per step, or the kernel + ~20 ops
+    for name, fb in (("flush every token", 1), ("flush batch 64 (default)", None)):
         c = TurboQuantKVCache(3.5, window=128, flush_batch=fb, seed=0)
         c.reserve(n + steps + 1)
         for a in range(0, n, 8192):
@@ -653,7 +418,7 @@ def decode_loop(n, results, steps=256):
                 t0 = time.perf_counter()
                 for k in ks:
                     wk, wv = c.update_and_fetch(k, k)
-                    mx.eval(kernels.turboquant_attention(q, wk, wv, c, SCALE, None))
+                    mx.eval(turboquant_attention(q, wk, wv, c, SCALE, None))
                 mx.synchronize()
                 times.append((time.perf_counter() - t0) / steps)
                 c.restore(ck)
@@ -662,11 +427,9 @@ def decode_loop(n, results, steps=256):
             continue
         out[name] = min(times[1:])
         cold[name] = times[0]
-    os.environ.pop("TQ_DECODE_FUSED")
     base = out.get("flush batch 64 (default)") or next(iter(out.values()), 1.0)
     print(f"\n== decode steps on a TurboQuantKVCache at {n} tokens (3.5-bit, window 128): "
-          f"append + attention, eval per step, {steps} steps (first pass: includes tracing the "
-          f"compiled launch for each window length)")
+          f"append + attention, eval per step, {steps} steps (first pass: includes building the plan)")
     for name, t in out.items():
         print(f"  {name:<26} {t * 1e3:.4f} ms/step  ({t / base:.2f}x)   first pass {cold[name] * 1e3:.4f} ms/step")
     results["decode_loop"] = {"tokens": n, **out, "first_pass": cold}
@@ -695,15 +458,15 @@ def bench_prefill(n, chunk, results):
             o = mx.fast.scaled_dot_product_attention(qs, wk, wv, scale=SCALE, mask="causal")
         else:
             o = attend(qs, wk, wv, tq, SCALE, "causal")
-        pk = kernels.quantize(wk, tq.key_codec)
-        pv = kernels.quantize(wv, tq.value_codec)
+        pk = quantize(wk, tq.key_codec)
+        pv = quantize(wv, tq.value_codec)
         return [o, *pk, *pv]
 
     out, peak = {}, {}
     steps = (
         ("fp16", lambda s: [fp16_step(s + chunk)]),
-        ("turboquant 3.5-bit", lambda s: tq_step(s, kernels.turboquant_attention)),
-        ("tq 3.5 dequant+SDPA", lambda s: tq_step(s, kernels._prefill_attention)),
+        ("turboquant 3.5-bit", lambda s: tq_step(s, turboquant_attention)),
+        ("tq 3.5 dequant+SDPA", lambda s: tq_step(s, dequant_sdpa_attention)),
     )
     for name, step in steps:
         mx.eval(step(0), step(chunk))  # compile/warm
@@ -725,29 +488,13 @@ def bench_prefill(n, chunk, results):
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--lengths", default="8k,32k,128k,512k,1M")
-    ap.add_argument("--sweep", default="512k",
-                    help="comma-separated lengths for the launch-shape sweep ('none' = skip)")
-    ap.add_argument("--sweep-blocks", default="264,528,1056", help="threadgroup counts the sweep tries")
-    ap.add_argument("--batch-check", default="none", help="lengths for the calls-per-evaluation check ('none' = skip)")
-    ap.add_argument("--counter-check", default="none",
-                    help="lengths for the split-counter check, independent calls ('none' = skip)")
-    ap.add_argument("--step-sweep", default="none",
-                    help="lengths for the one-launch step's launch-shape sweep ('none' = skip)")
-    ap.add_argument("--step-shapes", default=STEP_SHAPES,
-                    help="VC32/PF/MINB/NW/blocks launch shapes the step sweep tries")
-    ap.add_argument("--step-rows", default="",
-                    help="extra whole-step rows in the decode table: 'LABEL:K=V,K=V;...' (TQ_TC8_* settings)")
-    ap.add_argument("--chain-check", default="none",
-                    help="lengths for the chained-calls-per-evaluation check ('none' = skip)")
     ap.add_argument("--generation", default="none",
                     help="lengths for the generation-loop timing (async_eval, 32 calls per token; 'none' = skip)")
-    ap.add_argument("--floor", default="none",
-                    help="lengths for the per-call floor check ('none' = skip)")
     ap.add_argument("--prefill", default="128k", help="prefill length ('none' = skip)")
     ap.add_argument("--chunk", type=int, default=2048)
     ap.add_argument("--json", default="")
     args = ap.parse_args()
-    be = kernels.backend()
+    be = backend()
     if be is None:
         print("gpu_attention: needs a GPU (MLX with Metal or CUDA)", file=sys.stderr)
         return 2
@@ -756,32 +503,9 @@ def main() -> int:
     bw = copy_rate()
     results["copy_Bps"] = bw
     print(f"device copy rate (read + write): {bw / 1e12:.2f} TB/s")
-    bench_decode([parse_len(s) for s in args.lengths.split(",") if s], results, bw,
-                 parse_step_rows(args.step_rows))
-    if args.sweep not in ("", "none"):
-        blocks_list = tuple(int(b) for b in args.sweep_blocks.split(","))
-        for length in args.sweep.split(","):
-            best = bench_decode_variants(parse_len(length), results, blocks_list)
-            if best:
-                print(f"  best: {best[1]} (the table above uses the defaults)")
-                results.setdefault("best_variant", {})[length] = best
-    if args.counter_check not in ("", "none"):
-        for length in args.counter_check.split(","):
-            bench_counter_node(parse_len(length), results)
-    if args.step_sweep not in ("", "none"):
-        for length in args.step_sweep.split(","):
-            bench_step_variants(parse_len(length), results, args.step_shapes)
-    if args.chain_check not in ("", "none"):
-        for length in args.chain_check.split(","):
-            bench_chain_batch(parse_len(length), results)
+    bench_decode([parse_len(s) for s in args.lengths.split(",") if s], results, bw)
     if args.generation not in ("", "none"):
         bench_generation([parse_len(x) for x in args.generation.split(",") if x], results)
-    if args.floor not in ("", "none"):
-        for length in args.floor.split(","):
-            bench_floor(parse_len(length), results)
-    if args.batch_check not in ("", "none"):
-        for length in args.batch_check.split(","):
-            bench_batch(parse_len(length), results)
     bench_append(parse_len("32k"), results)
     if args.prefill not in ("", "none"):
         try:

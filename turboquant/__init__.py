@@ -11,6 +11,8 @@ _EXPORTS = {
     "make_prompt_cache": ".prompt_cache",
     "install": ".integration",
     "turboquant_attention": ".attention",
+    "KVQuantPolicy": ".policy",
+    "parse_kv_policy": ".policy",
 }
 
 __all__ = ["enable_fast_cpu_blas", *_EXPORTS]

@@ -22,9 +22,8 @@ its bits on.  It is exact for attention: the packed scores get ``q·mean_k``
 back (one dot per query row) and the packed value sum gets ``mass·mean_v``.
 Each channel's mean is shrunk toward 0 by positive-part James-Stein
 (``shrunk_mean``): on zero-mean data the estimate from the first tokens is
-pure noise, and centring on it biased the attention average (the lsq
-reconstruction shrinks values toward the stored mean; 1.12x the peer's error
-at 2 bits on Gaussian K/V before the shrink, docs/benchmarks.md).
+pure noise, and centring on it would bias the attention average (the lsq
+reconstruction shrinks values toward the stored mean).
 
 Quantizer: ``"scalar"`` (Lloyd-Max per coordinate, the GPU kernels' layout)
 or ``"tcq"`` (``trellis.TrellisCodec``: same words and bytes, indices chosen
@@ -49,14 +48,12 @@ import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import _BaseCache
 
-from . import kernels
+from .attention import launchers
 from .codec import TurboQuantCodec
 from .packing import packed_words
 from .rotation import HadamardRotation
 from .trellis import TrellisCodec
-from .widths import resolve_bits
-
-QUANTIZERS = ("scalar", "tcq")
+from .policy import QUANTIZERS, KVQuantPolicy, parse_kv_policy
 
 
 def shrunk_mean(x: mx.array, axis: int = 2) -> mx.array:
@@ -83,7 +80,7 @@ class TurboQuantKVCache(_BaseCache):
     """mlx-lm/mlx-vlm KV cache with TurboQuant-compressed history.
 
     Args:
-        kv_bits: preset width (2, 2.5, 3, 3.5, 4); see ``widths.resolve_bits``.
+        kv_bits: preset width (2, 2.5, 3, 3.5, 4); see ``policy.resolve_bits``.
         key_bits / value_bits: override either side (1..4 bits).
         window: number of most recent tokens kept exact (model dtype).
         flush_batch: tokens beyond the window that wait to be quantized
@@ -92,6 +89,9 @@ class TurboQuantKVCache(_BaseCache):
         quantizer: ``"scalar"`` (Lloyd-Max, ``codec.TurboQuantCodec``; the GPU
             kernels' layout) or ``"tcq"`` (trellis-coded, ``trellis.TrellisCodec``:
             same bytes, lower error, slower to quantize, reference path only).
+        policy / layer: the parsed options of ``make_prompt_cache`` (which
+            then win over the arguments above), this cache's layer index
+            (rotation seed ``policy.seed + layer``).
     """
 
     step = 256  # capacity granularity in tokens
@@ -107,22 +107,18 @@ class TurboQuantKVCache(_BaseCache):
         flush_batch: int | None = None,
         seed: int = 0,
         quantizer: str = "scalar",
+        policy: KVQuantPolicy | None = None,
+        layer: int = 0,
     ):
-        if quantizer not in QUANTIZERS:
-            raise ValueError(
-                f"TurboQuantKVCache: quantizer={quantizer!r}; choose one of {QUANTIZERS}"
-            )
-        self.quantizer = quantizer
-        if window < 0:
-            raise ValueError(f"TurboQuantKVCache: window must be >= 0, got {window}")
-        self.key_bits, self.value_bits = resolve_bits(kv_bits, key_bits, value_bits)
-        self.window = int(window)
-        # Decode appends one token per step; quantizing it at once costs a
-        # kernel launch per step (45-71% of a 32k decode step on the H200).
-        # Letting up to `flush_batch` tokens beyond the window wait and
-        # quantizing them together amortizes that to ~1.1% (docs/benchmarks.md, GPU).
+        if policy is None:
+            policy = parse_kv_policy(kv_bits, key_bits=key_bits, value_bits=value_bits, quantizer=quantizer,
+                                     window=window, seed=seed, where="TurboQuantKVCache")
+        self._use_policy(policy, layer)
+        # Decode appends one token per step; quantizing each at once would
+        # cost a launch pair per step, comparable to the attention itself.
+        # Up to `flush_batch` tokens beyond the window wait and are
+        # quantized together, which amortizes it.
         self._flush_batch = None if flush_batch is None else max(1, int(flush_batch))
-        self.seed = int(seed)
         self.offset = 0
         self.packed_len = 0
         self.keys_packed: Optional[mx.array] = None
@@ -140,6 +136,15 @@ class TurboQuantKVCache(_BaseCache):
         self.key_codec = self.value_codec = None
 
     # ------------------------------------------------------------------ setup
+    def _use_policy(self, policy: KVQuantPolicy, layer: int = 0) -> None:
+        """Take the widths, quantizer, window and seed from ``policy``."""
+        if policy.scheme != "turboquant":
+            raise ValueError(f"TurboQuantKVCache: policy scheme {policy.scheme!r} is not turboquant")
+        self.policy = policy
+        self.key_bits, self.value_bits = policy.key_bits, policy.value_bits
+        self.quantizer, self.window = policy.quantizer, policy.window
+        self.seed = policy.seed + int(layer)
+
     def _setup(self, k_dim: int, v_dim: int) -> None:
         """Build the rotation and codecs once the head dims are known.
 
@@ -247,8 +252,8 @@ class TurboQuantKVCache(_BaseCache):
         old_k = self.window_keys[:, :, :excess].astype(mx.float32) - self.key_mean
         old_v = self.window_values[:, :, :excess].astype(mx.float32) - self.value_mean
         # The fused quantize kernel on a GPU, the codec (reference) elsewhere.
-        k_packed, k_norms = kernels.quantize_any(old_k, self.key_codec)
-        v_packed, v_norms = kernels.quantize_any(old_v, self.value_codec)
+        k_packed, k_norms = launchers.quantize_any(old_k, self.key_codec)
+        v_packed, v_norms = launchers.quantize_any(old_v, self.value_codec)
         p = self.packed_len
         self._grow(p + excess)
         self.keys_packed[:, :, p : p + excess] = k_packed
@@ -407,9 +412,8 @@ class TurboQuantKVCache(_BaseCache):
             raise ValueError(
                 f"TurboQuantKVCache: saved quantizer {quantizer!r}; expected one of {QUANTIZERS}"
             )
-        self.quantizer = quantizer
         kb, vb, window, seed, offset, packed_len, k_dim, v_dim = (int(x) for x in v[:8])
-        self.key_bits, self.value_bits, self.window, self.seed = kb, vb, window, seed
+        self._use_policy(KVQuantPolicy(key_bits=kb, value_bits=vb, quantizer=quantizer, window=window, seed=seed))
         self._flush_batch = None  # a scheduling choice, not saved: the default
         self.offset, self.packed_len = offset, packed_len
         self.reallocations, self._reserved = 0, 0

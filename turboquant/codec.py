@@ -5,31 +5,11 @@ direction ``u = R x / ‖x‖`` plus one float16 scale.  Decoding in the rotated
 domain is ``scale * centroids[idx]``; attention can stay there because ``R``
 is orthonormal (rotate the query once instead of every key).
 
-Scale (``norm_mode``), both measured by ``python -m turboquant.bench`` on
-the same keys/values (docs/benchmarks.md, TurboQuant section):
-- ``"lsq"`` (default): ``‖x‖ ⟨u, ĉ⟩ / ‖ĉ‖²`` with ``ĉ = centroids[idx]``,
-  the least-squares scale: the smallest reconstruction error.
-- ``"preserve"``: ``‖x‖ / ‖ĉ‖``, so the reconstruction has exactly ``‖x‖``.
-LSQ gave the lower attention-output error in 17 of 20 cases (five widths x
-Gaussian/outlier K/V x with/without centring; e.g. 1-cos 0.0130 vs 0.0177 at
-2 bits on outlier keys), losing only on centred Gaussian data.  Why: the
-Lloyd-Max centroid is the conditional mean of its cell, so ``q·ĉ`` is
-already the best estimate of ``q·u`` given the code; scaling ``ĉ`` up to
-unit length (preserve) inflates every logit by ``1/‖ĉ‖`` (≈ +6% at 2 bits, +2% at 3)
-and over-sharpens the softmax, while LSQ stays at that estimate
-(``⟨u, ĉ⟩ ≈ ‖ĉ‖²``) and removes the per-vector error along ``ĉ``.  (For
-values, the LSQ shrink pulls an attention average slightly toward the
-stored mean, which is what costs on centred Gaussian data.)
-
-Gain search (``gain_search=True``, off by default): the decoder only sees
-``scale * centroids[idx]``, so any index vector may be stored.  The one that
-maximises the cosine with ``u`` (hence minimises the error under either
-scale) is the nearest codeword of ``α u`` for SOME gain ``α`` (it is a vertex
-of the lower convex hull of the points (⟨u, ĉ⟩, ‖ĉ‖²), and ``NN(α u)``
-minimises ``‖ĉ‖² - 2α⟨u, ĉ⟩``); plain quantization fixes ``α = 1``.  Trying
-8 gains in [0.8, 1.25] cuts unit-vector MSE by ~1/5/14% at 2/3/4 bits and
-attention error by 1-25% (most on outlier-heavy keys, see the benchmark),
-at ~5x the quantize time in pure MLX.  Same layout, same decoder.
+Scale: ``‖x‖ ⟨u, ĉ⟩ / ‖ĉ‖²`` with ``ĉ = centroids[idx]``, the least-squares
+scale: the smallest reconstruction error.  The Lloyd-Max centroid is the
+conditional mean of its cell, so ``q·ĉ`` is already the best estimate of
+``q·u`` given the code; scaling ``ĉ`` to unit length instead would inflate
+every logit by ``1/‖ĉ‖`` and over-sharpen the softmax.
 
 Norms are float16: 2 bytes per vector (the layout budget the byte counts in
 the issue assume: 116 B/token/KV head at 3.5 bits for d=128), a relative
@@ -48,8 +28,6 @@ from .packing import pack, packed_words
 from .rotation import HadamardRotation
 
 _F16_MAX = 65504.0
-_GAINS = tuple(0.8 + 0.45 * i / 7 for i in range(8))  # gain_search candidates
-NORM_MODES = ("preserve", "lsq")
 
 
 class QuantizedVectors(NamedTuple):
@@ -74,12 +52,12 @@ def _index_fn(boundaries: list[float]):
     return mx.compile(f, shapeless=True)
 
 
-def stored_scale(norm: mx.array, dot: mx.array, c_sq: mx.array, norm_mode: str) -> mx.array:
+def stored_scale(norm: mx.array, dot: mx.array, c_sq: mx.array) -> mx.array:
     """The float16 per-vector scale of a codeword ``ĉ`` for a vector of norm
     ``‖x‖`` with unit direction ``u`` (``dot = ⟨u, ĉ⟩``, ``c_sq = ‖ĉ‖²``):
-    least squares (``"lsq"``) or norm-preserving, clipped to the float16 range.
-    Shared by every codec that stores ``scale * codeword``."""
-    scale = norm * mx.rsqrt(c_sq) if norm_mode == "preserve" else norm * dot / c_sq
+    least squares, clipped to the float16 range.  Shared by every codec
+    that stores ``scale * codeword``."""
+    scale = norm * dot / c_sq
     return mx.clip(scale, -_F16_MAX, _F16_MAX).astype(mx.float16)
 
 
@@ -96,15 +74,13 @@ class PackedCodec:
     quantizer: str
     code_key: tuple
 
-    def _init_layout(self, dim: int, bits: int, rotation: HadamardRotation | None, norm_mode: str) -> None:
+    def _init_layout(self, dim: int, bits: int, rotation: HadamardRotation | None) -> None:
         name = type(self).__name__
         if rotation is None:
             rotation = HadamardRotation(dim, 0)
         if rotation.dim != dim:
             raise ValueError(f"{name}: rotation has dim {rotation.dim}, codec dim {dim}")
-        if norm_mode not in NORM_MODES:
-            raise ValueError(f"{name}: norm_mode={norm_mode!r}; choose one of {NORM_MODES}")
-        self.dim, self.bits, self.rotation, self.norm_mode = dim, bits, rotation, norm_mode
+        self.dim, self.bits, self.rotation = dim, bits, rotation
         self.words = packed_words(dim, bits)
 
     @property
@@ -147,43 +123,26 @@ class TurboQuantCodec(PackedCodec):
 
     quantizer = "scalar"  # vs "tcq" (turboquant.trellis.TrellisCodec), same bytes
 
-    def __init__(
-        self, dim: int, bits: int, rotation: HadamardRotation | None = None,
-        norm_mode: str = "lsq", gain_search: bool = False,
-    ):
-        self._init_layout(dim, bits, rotation, norm_mode)
-        self.gain_search = bool(gain_search)
+    def __init__(self, dim: int, bits: int, rotation: HadamardRotation | None = None):
+        self._init_layout(dim, bits, rotation)
         self.codebook = codebook(bits, dim)
         self.centroids = self.codebook.centroids_mx()
         self._index = _index_fn(list(self.codebook.boundaries))
 
     def __repr__(self) -> str:
-        return (f"TurboQuantCodec(dim={self.dim}, bits={self.bits}, norm_mode={self.norm_mode!r}, "
-                f"gain_search={self.gain_search})")
+        return f"TurboQuantCodec(dim={self.dim}, bits={self.bits})"
 
     def quantize_rotated(self, y: mx.array) -> QuantizedVectors:
         """Quantize already-rotated vectors ``y`` [..., dim]."""
         norm, u = self._unit_direction(y)
-        idx, dot, c_sq = self._cell(u, u)
-        if self.gain_search:
-            best = dot * mx.rsqrt(c_sq)
-            for a in _GAINS:
-                i2, d2, s2 = self._cell(u * a, u)
-                cos2 = d2 * mx.rsqrt(s2)
-                better = cos2 > best
-                idx = mx.where(better[..., None], i2, idx)
-                dot, c_sq = mx.where(better, d2, dot), mx.where(better, s2, c_sq)
-                best = mx.maximum(best, cos2)
-        return QuantizedVectors(pack(idx, self.bits), stored_scale(norm, dot, c_sq, self.norm_mode))
-
-    def _cell(self, v: mx.array, u: mx.array) -> tuple[mx.array, mx.array, mx.array]:
-        """Indices of ``v``'s cells, ⟨u, ĉ⟩ and ‖ĉ‖² (> 0: no centroid is zero)."""
-        idx = self._index(v)
+        idx = self._index(u)
         c = self.centroids[idx]
-        return idx, (u * c).sum(axis=-1), (c * c).sum(axis=-1)
+        # ⟨u, ĉ⟩ and ‖ĉ‖² (> 0: no centroid is zero)
+        dot, c_sq = (u * c).sum(axis=-1), (c * c).sum(axis=-1)
+        return QuantizedVectors(pack(idx, self.bits), stored_scale(norm, dot, c_sq))
 
     @property
     def code_key(self) -> tuple:
-        """How the words decode (``turboquant.attention`` keys its compiled steps on it)."""
+        """How the words decode (the reference attention keys its compiled steps on it)."""
         return ("scalar", self.bits, self.dim)
 

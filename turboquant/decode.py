@@ -18,7 +18,7 @@ element), slices or concatenates in the per-element work.  So:
   does not fit one fused CPU kernel (MLX splits it, ~20x slower), a
   16-leaf one does.
 
-Measured (``python -m turboquant.bench --decode-only``, 16k tokens, 8 kv
+Measured (``python -m benchmarks.codec --decode-only``, 16k tokens, 8 kv
 heads, d=128, this 2-core CPU): TCQ 3.5-bit attention went from ~0.9-1.06x
 the time of fp16 SDPA to ~0.7x; the scalar 3-bit decode got ~1.7x faster
 (no straddling-index concatenates).

@@ -27,7 +27,7 @@ import sys
 from typing import Any, Callable
 
 from .cache import TurboQuantKVCache
-from .kernels import turboquant_attention  # GPU kernels, else the reference path
+from .attention import turboquant_attention
 
 _BASES = ("mlx_lm.models.base", "mlx_vlm.models.base")
 _NAME = "scaled_dot_product_attention"

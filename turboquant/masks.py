@@ -1,7 +1,7 @@
 """Attention masks for the packed cache: mlx-lm's mask forms, split and shaped.
 
-Why a module of its own: the reference attention (``attention``) and the
-GPU dispatch (``kernels``) must read a mask the same way -- which columns
+Why a module of its own: the reference route and the kernel routes
+(``attention/``) must read a mask the same way -- which columns
 are packed history and which the exact window, and how a [B, H, L, K] mask
 lines up with grouped-query scores [B, H_kv, G, L, K].
 """

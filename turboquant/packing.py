@@ -56,16 +56,22 @@ def _tables(bits: int) -> tuple[int, int, list[tuple[int, int, np.ndarray, np.nd
     return g, w, runs, offsets
 
 
+def _as_groups(x: mx.array, n_groups: int, width: int) -> mx.array:
+    """uint32 ``x`` [..., n] zero-padded to ``n_groups * width`` and viewed as [..., n_groups, width]."""
+    lead, n = x.shape[:-1], x.shape[-1]
+    x = x.astype(mx.uint32)
+    if n_groups * width != n:
+        x = mx.pad(x, [(0, 0)] * len(lead) + [(0, n_groups * width - n)])
+    return x.reshape(*lead, n_groups, width)
+
+
 def pack(indices: mx.array, bits: int) -> mx.array:
     """Pack integer ``indices`` [..., dim] (each < 2**bits) into uint32 [..., words]."""
     g, w, runs, _ = _tables(bits)
     dim = indices.shape[-1]
     lead = indices.shape[:-1]
     n_groups = -(-dim // g)
-    x = indices.astype(mx.uint32)
-    if n_groups * g != dim:
-        x = mx.pad(x, [(0, 0)] * len(lead) + [(0, n_groups * g - dim)])
-    x = x.reshape(*lead, n_groups, g)
+    x = _as_groups(indices, n_groups, g)
     cols = []
     for a, e, left, right in runs:
         v = x[..., a:e] << mx.array(left)  # bits pushed past 31 belong to the next word
@@ -88,10 +94,7 @@ def unpack(words: mx.array, bits: int, dim: int) -> mx.array:
         )
     lead = words.shape[:-1]
     n_groups = -(-dim // g)
-    x = words.astype(mx.uint32)
-    if n_groups * w != n_words:
-        x = mx.pad(x, [(0, 0)] * len(lead) + [(0, n_groups * w - n_words)])
-    x = x.reshape(*lead, n_groups, w)
+    x = _as_groups(words, n_groups, w)
     mask = mx.array((1 << bits) - 1, dtype=mx.uint32)
     parts = []
     for j in range(w):

@@ -15,12 +15,9 @@ from typing import Any, Optional
 
 import mlx.nn as nn
 
-from .cache import QUANTIZERS, TurboQuantKVCache
+from .cache import TurboQuantKVCache
 from .integration import install
-from .widths import resolve_bits
-
-SCHEMES = ("turboquant", "affine", "fp16")
-_AFFINE_BITS = (2, 3, 4, 5, 6, 8)
+from .policy import parse_kv_policy
 
 
 def _plain_kv_types() -> tuple[type, ...]:
@@ -86,44 +83,33 @@ def make_prompt_cache(
 ) -> list[Any]:
     """Per-layer caches for ``model`` with the requested KV compression.
 
-    ``"turboquant"``: ``TurboQuantKVCache(kv_bits, ...)`` on every plain
-    ``KVCache`` layer, rotation seed ``seed + layer index``; also installs
-    the attention hook (``integration.install``).  ``"affine"``: mlx's
+    The options are parsed once into a :class:`~turboquant.policy.KVQuantPolicy`
+    (``parse_kv_policy``), which every cache built here holds.
+    ``"turboquant"``: ``TurboQuantKVCache`` on every plain ``KVCache`` layer,
+    rotation seed ``seed + layer index``; also installs the attention hook
+    (``integration.install``).  ``"affine"``: mlx's
     ``QuantizedKVCache(affine_group_size, int(kv_bits))`` on the same layers.
     ``"fp16"``: the model's own caches (the baseline; the model's dtype).
-    ``quantizer`` (turboquant only): ``"scalar"`` (Lloyd-Max) or ``"tcq"``
-    (trellis-coded, same bytes; see ``turboquant.trellis``).
     """
-    if kv_quant_scheme not in SCHEMES:
-        raise ValueError(
-            f"make_prompt_cache: unknown kv_quant_scheme={kv_quant_scheme!r}; "
-            f"choose one of {', '.join(SCHEMES)}"
-        )
+    policy = parse_kv_policy(
+        kv_bits, kv_quant_scheme, key_bits=key_bits, value_bits=value_bits, quantizer=quantizer,
+        window=window, seed=seed, affine_group_size=affine_group_size,
+    )
     caches = _default_caches(model, max_kv_size)
-    if kv_quant_scheme == "fp16":
+    if policy.scheme == "fp16":
         return caches
     plain = _plain_kv_types()
     layers = [i for i, c in enumerate(caches) if type(c) in plain]
 
-    if kv_quant_scheme == "affine":
-        if kv_bits not in _AFFINE_BITS:
-            raise ValueError(
-                f"make_prompt_cache: affine kv_bits={kv_bits!r} is not allowed; "
-                f"choose one of {', '.join(map(str, _AFFINE_BITS))}"
-            )
+    if policy.scheme == "affine":
         if _is_vlm(model):
             from mlx_vlm.models.cache import QuantizedKVCache
         else:
             from mlx_lm.models.cache import QuantizedKVCache
         for i in layers:
-            caches[i] = QuantizedKVCache(group_size=affine_group_size, bits=int(kv_bits))
+            caches[i] = QuantizedKVCache(group_size=policy.affine_group_size, bits=policy.affine_bits)
         return caches
 
-    resolve_bits(kv_bits, key_bits, value_bits)  # fail early with a clear message
-    if quantizer not in QUANTIZERS:
-        raise ValueError(
-            f"make_prompt_cache: unknown quantizer={quantizer!r}; choose one of {', '.join(QUANTIZERS)}"
-        )
     if layers:
         bad = _direct_sdpa_modules(model)
         if bad:
@@ -135,8 +121,5 @@ def make_prompt_cache(
             )
         install()
     for i in layers:
-        caches[i] = TurboQuantKVCache(
-            kv_bits, key_bits=key_bits, value_bits=value_bits, window=window, seed=seed + i,
-            quantizer=quantizer,
-        )
+        caches[i] = TurboQuantKVCache(policy=policy, layer=i)
     return caches

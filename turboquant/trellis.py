@@ -43,7 +43,7 @@ Why this trellis: a feed-forward shift register makes the state a pure
 function of the stored bits, so the decoder never runs the trellis; the
 zero start state costs no rate (no tail bits); the union codebook with four
 subsets is Ungerboeck's set partitioning, which is what gives TCQ its gain.
-Measured at d=128 (unit vectors, lsq scale, ``python -m turboquant.bench``):
+Measured at d=128 (unit vectors, lsq scale, ``python -m benchmarks.codec``):
 MSE 0.72x / 0.68x / 0.67x the scalar Lloyd-Max codec at b = 2 / 3 / 4.
 
 A decoder therefore XORs shifted copies of the packed words (the parities)
@@ -55,7 +55,7 @@ Encoder: Viterbi over the 2^nu states.  Per coordinate the best level and
 its distortion in each of the four subsets are found once (they do not
 depend on the state); each trellis step is then adds/mins over [N, 2^nu].
 The backpointers ([d, N, 2^nu] bools) bound the batch size.  The scale is
-then computed exactly as the scalar codec does (``norm_mode``).
+then computed exactly as the scalar codec does (least squares).
 
 The union codebooks are trained by generalized Lloyd (Viterbi-encode, move
 each level to the mean of its samples) on unit-variance Gaussian sequences of
@@ -287,7 +287,7 @@ class TrellisCodec(PackedCodec):
     ``bits`` per coordinate (1..4) packed exactly as the scalar codec packs
     its indices, plus the same float16 scale; only the meaning of the
     indices differs (see the module docstring).  The GPU kernels only know
-    scalar codes, so ``turboquant.kernels`` routes a cache holding this codec
+    scalar codes, so ``attention.route.choose`` routes a cache holding this codec
     to the reference path (``quantizer == "tcq"``).
     """
 
@@ -295,11 +295,11 @@ class TrellisCodec(PackedCodec):
 
     def __init__(
         self, dim: int, bits: int, rotation: HadamardRotation | None = None,
-        norm_mode: str = "lsq", states_log2: int | None = None,
+        states_log2: int | None = None,
     ):
         from .trellis_tables import STATES_LOG2, TAPS
 
-        self._init_layout(dim, bits, rotation, norm_mode)
+        self._init_layout(dim, bits, rotation)
         if states_log2 is None:
             states_log2 = STATES_LOG2
         if states_log2 != STATES_LOG2:
@@ -313,7 +313,7 @@ class TrellisCodec(PackedCodec):
         self.code_key = ("tcq", bits, dim, self.taps, self.levels, self.offsets)
 
     def __repr__(self) -> str:
-        return (f"TrellisCodec(dim={self.dim}, bits={self.bits}, norm_mode={self.norm_mode!r}, "
+        return (f"TrellisCodec(dim={self.dim}, bits={self.bits}, "
                 f"states_log2={self.states_log2}, taps={self.taps:#x})")
 
     def quantize_rotated(self, y: mx.array) -> QuantizedVectors:
@@ -327,6 +327,6 @@ class TrellisCodec(PackedCodec):
             idx = viterbi(u, self.levels, self.taps, self.states_log2, self.offsets)
         c = reconstruct(idx, self.levels, self.taps, self.offsets)
         dot, c_sq = (u * c).sum(axis=-1), mx.maximum((c * c).sum(axis=-1), 1e-30)
-        scale = stored_scale(norm, dot, c_sq, self.norm_mode)
+        scale = stored_scale(norm, dot, c_sq)
         return QuantizedVectors(pack(idx, self.bits).reshape(*lead, self.words), scale.reshape(lead))
 

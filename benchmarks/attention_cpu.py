@@ -1,6 +1,6 @@
 """Reference-path TurboQuant attention vs MLX SDPA on this CPU.
 
-    python -m benchmarks.tq_attention_cpu [--contexts 4096,16384,32768] [--reps 7]
+    python -m benchmarks.attention_cpu [--contexts 4096,16384,32768] [--reps 7]
 
 Decode (one query token, 32 query heads / 8 KV heads / d=128): each rep
 times every variant back to back, so CPU contention from other processes

@@ -1,34 +1,12 @@
-"""turboquant_attention vs dense attention on the dequantized cache."""
+"""turboquant_attention (on CPU: the reference route) vs dense attention on the dequantized cache."""
 
 import mlx.core as mx
 import pytest
 
-import turboquant.attention as tqa
+import turboquant.attention.reference as tqa
+from packed_fixtures import close, dense_reference
 from turboquant.attention import turboquant_attention
 from turboquant.cache import TurboQuantKVCache
-
-
-def dense_reference(q, cache, wk, wv, scale, mask):
-    """Plain float32 softmax attention over [dequantized packed + window],
-    with the means added back (uncentred) and K/V repeated for GQA."""
-    P = cache.packed_len
-    keys, values = wk.astype(mx.float32), wv.astype(mx.float32)
-    if P:
-        kh = cache.key_codec.dequantize(cache.keys_packed[:, :, :P], cache.keys_norms[:, :, :P])
-        vh = cache.value_codec.dequantize(cache.values_packed[:, :, :P], cache.values_norms[:, :, :P])
-        keys = mx.concatenate([kh + cache.key_mean, keys], axis=2)
-        values = mx.concatenate([vh + cache.value_mean, values], axis=2)
-    G = q.shape[1] // keys.shape[1]
-    keys, values = mx.repeat(keys, G, axis=1), mx.repeat(values, G, axis=1)
-    s = (q.astype(mx.float32) * scale) @ keys.swapaxes(-1, -2)
-    L, K = s.shape[-2:]
-    if isinstance(mask, str):
-        mask = mx.arange(K - L, K)[:, None] >= mx.arange(K)[None]
-    if mask is not None:
-        if mask.shape[-1] != K:  # window-only mask: history fully visible
-            mask = mx.concatenate([mx.ones((*mask.shape[:-1], P), mx.bool_), mask], axis=-1)
-        s = mx.where(mask, s, -1e30) if mask.dtype == mx.bool_ else s + mask
-    return mx.softmax(s, axis=-1) @ values
 
 
 def filled_cache(bits, H_kv, D, n_first, n_then, window, seed=0, offsets=True, flush_batch=1,
@@ -43,11 +21,6 @@ def filled_cache(bits, H_kv, D, n_first, n_then, window, seed=0, offsets=True, f
     k2 = mx.random.normal((1, H_kv, n_then, D)) + bias
     wk, wv = c.update_and_fetch(k2, mx.random.normal((1, H_kv, n_then, D)) - bias)
     return c, wk, wv
-
-
-def close(a, b, tol=2e-5):
-    err = mx.abs(a - b).max().item()
-    assert err < tol, f"max abs error {err}"
 
 
 @pytest.mark.parametrize("G", [1, 4, 8])

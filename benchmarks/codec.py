@@ -1,41 +1,26 @@
 """Benchmark TurboQuant against fp16, mlx-lm's affine cache and mlx-vlm's TurboQuant.
 
-    python -m turboquant.bench            # full run (contexts 4k, 16k, 32k)
-    python -m turboquant.bench --quick    # < 1 minute on 2 CPU cores
-    python -m turboquant.bench --json     # + one JSON object on the last line
+    python -m benchmarks.codec            # full run (contexts 4k, 16k, 32k)
+    python -m benchmarks.codec --quick    # < 1 minute on 2 CPU cores
+    python -m benchmarks.codec --json     # + one JSON object on the last line
 
-Everything is measured in one process on the same tensors, so the numbers
-compare directly:
+Everything is measured in one process on the same tensors:
 
-* storage: bytes per token per KV head (and per layer with 8 KV heads, d=128)
-  counted from the arrays each method stores per token (ours: packed codes +
-  float16 norms; the cache's per-head means, exact window and capacity slack
-  are bounded per layer and not per token, so they are left out);
+* storage: bytes per token per KV head, counted from the arrays each method
+  stores per token (per-layer means, window and capacity slack left out);
 * MSE of unit vectors vs the Lloyd-Max figure and the 4^-b lower bound;
 * inner-product error of keys against decode queries;
-* attention-output cosine vs float32 attention on float32 K/V, on Gaussian
-  data (the peer's setting) and on "outlier" data shaped like real keys and
-  values (per-channel offsets, a few channels 10-20x larger, queries that use
-  those channels).  "ours" is the method as shipped (per-head mean removed
-  from the first prefill chunk, then the codec); "codec only" skips the
-  centring; "_pres" columns store the norm-preserving scale instead of the
-  default least-squares one; "peer" is ``mlx_vlm.turboquant.TurboQuantKVCache``, scored on its own
-  dequantized K/V through the same SDPA (checked against mlx-vlm's attention
-  entry point on one query: identical to ~1e-8); "system" is our shipped
-  cache + attention path (exact window included), "sys_nowin" the same with
-  window 0; "swapped" puts the extra bit of 2.5/3.5 on keys (same bytes);
-  "gain search" is the codec's optional index search (same layout/decoder);
-  "tcq" is the trellis-coded quantizer (``turboquant.trellis``, same bytes)
-  with the same centring, "tcq_codec_only" without it, "sys_tcq" a
-  ``TurboQuantKVCache(quantizer="tcq")`` through the shipped attention path;
-  "ours" centres on the James-Stein-shrunk mean the cache uses,
-  "ours_rawmean" on the plain mean of the first chunk (the cache before the
-  shrink);
-* decode-attention time per token (one query, 32 query heads, 8 KV heads,
-  d=128) relative to fp16 SDPA and to float32 SDPA, all in one run, as the
-  median of interleaved repetitions so machine load hits every method alike
-  (the TCQ cache for timing reuses the scalar cache's words: its decode does
-  the same work whatever the words, see ``tcq_cache_like``);
+* attention-output 1-cos vs float32 attention on float32 K/V, on Gaussian
+  data (the peer's setting) and on "outlier" data shaped like real K/V.
+  "ours": the shipped method (James-Stein-shrunk per-head mean of the first
+  chunk removed, then the codec); "codec only": no centring; "peer":
+  ``mlx_vlm.turboquant.TurboQuantKVCache`` on its own reconstruction
+  through the same SDPA; "system": our cache + attention path (window
+  included), "sys_nowin" with window 0; "swapped": the extra bit of 2.5/3.5
+  on keys; "tcq": the trellis-coded quantizer (same bytes);
+* decode-attention time per token (1 query, 32 query / 8 KV heads, d=128)
+  vs fp16 and fp32 SDPA, medians of interleaved repetitions (the TCQ cache
+  reuses the scalar cache's words: ``tcq_cache_like``);
 * quantize time of the scalar and the TCQ codec on the same vectors.
 
 The peer is imported here and only here: ``turboquant`` itself never depends
@@ -56,12 +41,14 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import numpy as np
 
-from .cache import shrunk_mean
-from .codec import TurboQuantCodec
-from .codebooks import codebook
-from .trellis import TrellisCodec
-from .rotation import HadamardRotation
-from .widths import ALLOWED_KV_BITS, resolve_bits
+import turboquant  # noqa: F401  (fast CPU BLAS before mlx.core is used)
+from turboquant.attention import turboquant_attention
+from turboquant.cache import shrunk_mean
+from turboquant.codebooks import codebook
+from turboquant.codec import TurboQuantCodec
+from turboquant.policy import ALLOWED_KV_BITS, resolve_bits
+from turboquant.rotation import HadamardRotation
+from turboquant.trellis import TrellisCodec
 
 D, H_KV, H_Q = 128, 8, 32
 SCALE = 1.0 / math.sqrt(D)
@@ -137,25 +124,20 @@ def one_minus_cos(out: mx.array, ref: mx.array) -> float:
 
 
 # ---------------------------------------------------------------- methods
-def ours_reconstruct(k, v, kb: int, vb: int, centre: bool | str = True, norm_mode: str = "lsq",
-                     gain_search: bool = False, quantizer: str = "scalar"):
+def ours_reconstruct(k, v, kb: int, vb: int, centre: bool = True, quantizer: str = "scalar"):
     """Reconstructed K/V of our method (what the packed-cache attention computes with).
 
     ``centre``: True = the cache's James-Stein-shrunk per-head mean of the
-    first CENTRE_CHUNK tokens; "raw" = their plain mean (before the shrink);
-    False = no centring.  ``quantizer``: "scalar" or "tcq" (trellis).
+    first CENTRE_CHUNK tokens; False = no centring.  ``quantizer``: "scalar" or "tcq" (trellis).
     """
     rot = HadamardRotation(D, 1234)
     if quantizer == "tcq":
-        kc, vc = TrellisCodec(D, kb, rot, norm_mode), TrellisCodec(D, vb, rot, norm_mode)
+        kc, vc = TrellisCodec(D, kb, rot), TrellisCodec(D, vb, rot)
     else:
-        kc = TurboQuantCodec(D, kb, rot, norm_mode, gain_search)
-        vc = TurboQuantCodec(D, vb, rot, norm_mode, gain_search)
+        kc, vc = TurboQuantCodec(D, kb, rot), TurboQuantCodec(D, vb, rot)
     out = []
     for x, c in ((k, kc), (v, vc)):
-        if centre == "raw":
-            mu = x[:, :, :CENTRE_CHUNK].mean(axis=2, keepdims=True)
-        elif centre:
+        if centre:
             mu = shrunk_mean(x[:, :, :CENTRE_CHUNK], axis=2)
         else:
             mu = 0.0
@@ -206,7 +188,7 @@ def affine_attention(bits: int, qk, qv, q):
 
 def ours_cache(kv_bits: float, k, v, window: int | None = None, quantizer: str = "scalar"):
     """Our TurboQuantKVCache filled like a prefill of T-1 tokens plus one decode step."""
-    from .cache import TurboQuantKVCache
+    from turboquant.cache import TurboQuantKVCache
 
     kw = {} if window is None else {"window": window}
     cache = TurboQuantKVCache(kv_bits, seed=1234, quantizer=quantizer, **kw)
@@ -225,7 +207,7 @@ def tcq_cache_like(cache):
     """
     import copy
 
-    from .trellis import TrellisCodec as TC
+    from turboquant.trellis import TrellisCodec as TC
 
     c = copy.copy(cache)
     c.quantizer = "tcq"
@@ -235,12 +217,7 @@ def tcq_cache_like(cache):
 
 
 def ours_attention(cache, wk, wv, q):
-    """The dispatching entry point integration.install() uses (kernels or reference)."""
-    try:
-        from .kernels import turboquant_attention
-    except ImportError:
-        from .attention import turboquant_attention
-
+    """The entry point integration.install() routes TurboQuant caches to."""
     return turboquant_attention(q, wk, wv, cache, scale=SCALE, mask=None)
 
 
@@ -279,10 +256,8 @@ def unit_mse(cfg: Config) -> dict:
     res = {}
     for b in (1, 2, 3, 4):
         row = {"lloyd_max": codebook(b, D).mse, "lower_bound": 4.0**-b}
-        for name, mode, search in (("preserve", "preserve", False), ("lsq", "lsq", False),
-                                   ("lsq_search", "lsq", True)):
-            c = TurboQuantCodec(D, b, HadamardRotation(D, 3), mode, search)
-            row[name] = float(((c.dequantize(*c.quantize(x)) - x) ** 2).sum(-1).mean())
+        c = TurboQuantCodec(D, b, HadamardRotation(D, 3))
+        row["lsq"] = float(((c.dequantize(*c.quantize(x)) - x) ** 2).sum(-1).mean())
         c = TrellisCodec(D, b, HadamardRotation(D, 3))
         row["tcq"] = float(((c.dequantize(*c.quantize(x)) - x) ** 2).sum(-1).mean())
         if cfg.peer and b >= 2:
@@ -323,15 +298,8 @@ def attention_quality(cfg: Config, kind: str) -> dict:
         res[f"affine{b}"] = one_minus_cos(affine_attention(b, qk, qv, q), ref)
     for w in ALLOWED_KV_BITS:
         kb, vb = resolve_bits(w)
-        for name, centre, mode, search in (
-            ("ours", True, "lsq", False),
-            ("ours_preserve", True, "preserve", False),
-            ("codec_only", False, "lsq", False),
-            ("codec_only_preserve", False, "preserve", False),
-            ("ours_search", True, "lsq", True),
-            ("ours_rawmean", "raw", "lsq", False),
-        ):
-            kh, vh = ours_reconstruct(k, v, kb, vb, centre, mode, search)
+        for name, centre in (("ours", True), ("codec_only", False)):
+            kh, vh = ours_reconstruct(k, v, kb, vb, centre)
             res[f"{name}{w}"] = one_minus_cos(sdpa(q, kh, vh), ref)
         for name, centre in (("tcq", True), ("tcq_codec_only", False)):
             if name == "tcq_codec_only" and not cfg.tcq_codec_only:
@@ -443,7 +411,7 @@ def run(cfg: Config, log=print) -> dict:
     def section(title: str) -> None:
         log(f"\n## {title}   [t={time.perf_counter() - t_start:.0f}s]")
 
-    log(f"# turboquant.bench  d={D}, {H_Q} query heads, {H_KV} KV heads, "
+    log(f"# benchmarks.codec  d={D}, {H_Q} query heads, {H_KV} KV heads, "
         f"mlx {mx.__version__}, {platform.machine()}, device {mx.default_device()}")
     st = storage(cfg)
     section("Storage: bytes per token (per KV head | per layer of 8 KV heads), reduction vs fp16")
@@ -454,8 +422,7 @@ def run(cfg: Config, log=print) -> dict:
     section("Unit-vector MSE (per vector, d=128): stored codec vs Lloyd-Max vs 4^-b")
     for b, r in mse.items():
         peer = f"  peer {r['peer']:.5f}" if "peer" in r else ""
-        log(f"  b={b}: lsq {r['lsq']:.5f}  preserve {r['preserve']:.5f}  "
-            f"lsq+gain-search {r['lsq_search']:.5f}  tcq {r['tcq']:.5f} ({r['tcq'] / r['lsq']:.3f}x lsq)  "
+        log(f"  b={b}: lsq {r['lsq']:.5f}  tcq {r['tcq']:.5f} ({r['tcq'] / r['lsq']:.3f}x lsq)  "
             f"lloyd-max {r['lloyd_max']:.5f}  bound {r['lower_bound']:.5f}{peer}")
 
     q, k, _ = make_data("outlier", cfg.quality_tokens, cfg.n_queries, cfg.seed)
@@ -470,20 +437,17 @@ def run(cfg: Config, log=print) -> dict:
             f"{cfg.n_queries} decode queries x {H_Q} heads)")
         r = quality[kind]
         log(f"  fp16 {r['fp16']:.2e}  affine4 {r['affine4']:.2e}  affine8 {r['affine8']:.2e}")
-        log(f"  {'kv_bits':>7} {'ours':>9} {'ours_pres':>9} {'codec':>9} {'codec_pres':>10} "
+        log(f"  {'kv_bits':>7} {'ours':>9} {'codec':>9} "
             f"{'peer':>9} {'ours/peer':>9} {'system':>9} {'sys_nowin':>9}")
         _width_rows(log, r, lambda g: (
-            f"{g('ours'):9.5f} {g('ours_preserve'):9.5f} {g('codec_only'):9.5f} "
-            f"{g('codec_only_preserve'):10.5f} {g('peer'):9.5f} {g('ours') / g('peer'):9.3f} "
+            f"{g('ours'):9.5f} {g('codec_only'):9.5f} "
+            f"{g('peer'):9.5f} {g('ours') / g('peer'):9.3f} "
             f"{g('system'):9.5f} {g('system_nowindow'):9.5f}"))
         log(f"  {'kv_bits':>7} {'tcq':>9} {'tcq/peer':>9} {'tcq/ours':>9} {'tcq_codec':>9} "
-            f"{'sys_tcq':>9} {'ours_rawmean':>12} {'raw/peer':>9}   (TCQ: trellis-coded, same bytes)")
+            f"{'sys_tcq':>9}   (TCQ: trellis-coded, same bytes)")
         _width_rows(log, r, lambda g: (
             f"{g('tcq'):9.5f} {g('tcq') / g('peer'):9.3f} {g('tcq') / g('ours'):9.3f} "
-            f"{g('tcq_codec_only'):9.5f} {g('system_tcq'):9.5f} {g('ours_rawmean'):12.5f} "
-            f"{g('ours_rawmean') / g('peer'):9.3f}"))
-        gs = "  ".join(f"{w}: {r[f'ours_search{w}']:.5f}" for w in ALLOWED_KV_BITS)
-        log(f"  ours + gain search (same layout): {gs}")
+            f"{g('tcq_codec_only'):9.5f} {g('system_tcq'):9.5f}"))
         sw = "  ".join(f"{w}: {r[f'ours_swapped{w}']:.5f}" for w in (2.5, 3.5))
         log(f"  same bytes, extra bit on keys (k3/v2, k4/v3): {sw}")
         if cfg.peer:
@@ -523,9 +487,6 @@ def run(cfg: Config, log=print) -> dict:
             "attn_cosine_outlier": 1 - quality["outlier"][f"ours{w}"],
             "attn_cosine_codec_only": 1 - quality["gaussian"][f"codec_only{w}"],
             "attn_cosine_codec_only_outlier": 1 - quality["outlier"][f"codec_only{w}"],
-            "mse_gain_search": (mse[kb]["lsq_search"] + mse[vb]["lsq_search"]) / 2,
-            "attn_cosine_gain_search": 1 - quality["gaussian"][f"ours_search{w}"],
-            "attn_cosine_gain_search_outlier": 1 - quality["outlier"][f"ours_search{w}"],
         }
         if cfg.peer:
             row["peer_attn_cosine"] = 1 - quality["gaussian"][f"peer{w}"]
@@ -557,8 +518,6 @@ def run(cfg: Config, log=print) -> dict:
         if cfg.peer:
             tcq["error_ratio_vs_peer"] = g[f"tcq{w}"] / g[f"peer{w}"]
             tcq["error_ratio_vs_peer_outlier"] = o[f"tcq{w}"] / o[f"peer{w}"]
-            row["error_ratio_vs_peer_raw_mean"] = g[f"ours_rawmean{w}"] / g[f"peer{w}"]
-            row["error_ratio_vs_peer_raw_mean_outlier"] = o[f"ours_rawmean{w}"] / o[f"peer{w}"]
         if timing and f"tcq{w}" in timing[cfg.contexts[-1]]:
             by_ctx = {str(T): r[f"tcq{w}"] / r["fp16"] for T, r in timing.items()}
             tcq["decode_ratio_vs_fp16"] = by_ctx[str(cfg.contexts[-1])]
@@ -605,7 +564,7 @@ def _decode_only(cfg: Config, as_json: bool) -> dict:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(prog="python -m turboquant.bench", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.codec", description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="small sizes: under a minute on 2 CPU cores")
     ap.add_argument("--json", action="store_true", help="print one JSON object on the last line")
     ap.add_argument("--contexts", type=str, default=None, help="comma-separated decode context lengths")
@@ -622,14 +581,10 @@ def main(argv: list[str] | None = None) -> dict:
     cfg = Config(**QUICK) if args.quick else Config()
     if args.contexts:
         cfg.contexts = tuple(int(c) for c in args.contexts.split(","))
-    if args.tokens:
-        cfg.quality_tokens = args.tokens
-    if args.reps:
-        cfg.reps = args.reps
-    if args.queries:
-        cfg.n_queries = args.queries
-    if args.mse_vectors:
-        cfg.mse_vectors = args.mse_vectors
+    for arg, name in (("tokens", "quality_tokens"), ("reps", "reps"), ("queries", "n_queries"),
+                      ("mse_vectors", "mse_vectors")):
+        if getattr(args, arg):
+            setattr(cfg, name, getattr(args, arg))
     cfg.peer, cfg.timing, cfg.seed = not args.no_peer, not args.no_timing, args.seed
     if args.decode_only:
         return _decode_only(cfg, args.json)

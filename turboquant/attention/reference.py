@@ -1,4 +1,4 @@
-"""Attention straight on the packed TurboQuant cache (pure-MLX reference path).
+"""Route REFERENCE: attention straight on the packed cache in pure MLX (any device).
 
 For the packed history the keys are ``k = R^T (norm_k * c[idx_k]) + mean_k``
 (``R`` the rotation, ``c`` the codebook) and likewise for values, so
@@ -26,8 +26,8 @@ from typing import Optional
 
 import mlx.core as mx
 
-from .decode import block_decoder
-from .masks import NEG, Mask, apply_mask, as_5d, split_mask
+from ..decode import block_decoder
+from ..masks import NEG, Mask, apply_mask, as_5d, split_mask
 
 BLOCK = 4096  # most packed tokens per step of the online softmax
 BLOCK_ELEMENTS = 1 << 18  # and at most B*H_kv*T*max(D, rows) codes/scores per step.
@@ -123,7 +123,7 @@ def _packed_part(q_rot: mx.array, cache, packed_mask: Optional[mx.array], G: int
     return m, s, vlay.from_slots(acc)  # pad slots dropped once per call
 
 
-def turboquant_attention(
+def reference_attention(
     queries: mx.array,
     window_keys: mx.array,
     window_values: mx.array,

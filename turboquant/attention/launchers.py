@@ -1,0 +1,153 @@
+"""Kernel launches: each takes its route and launch shape and decides nothing.
+
+``decode`` runs the split-K kernel of a route (SIMT, TC, TC8) over packed
+tokens; ``dequantize`` and ``quantize`` the two kernels around it.  The
+route comes from ``route.choose`` (or from the caller: tests and
+benchmarks run a kernel directly); the launch shape from ``table``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import mlx.core as mx
+
+from . import device, table
+from .pair_tables import codebook_arrays, f32, pair_table, tc8_tables
+from .params import meta, split_params, tc8_head
+from .route import Route
+from .sources import launch, launch_bounds
+
+
+def decode(
+    q_rot: mx.array, keys_packed: mx.array, keys_norms: mx.array,
+    values_packed: mx.array, values_norms: mx.array,
+    key_centroids: mx.array, value_centroids: mx.array,
+    n: int, key_bits: int, value_bits: int, route: Route,
+    blocks: Optional[int] = None, warps: Optional[int] = None,
+) -> tuple[mx.array, mx.array]:
+    """Attention of ``q_rot`` [B, H_kv, R, D] over packed tokens ``[0, n)`` by ``route``.
+
+    ``q_rot`` is rotated and already multiplied by ``scale`` (the kernels
+    fold in log2(e)).  The packed arrays are the cache's full
+    ``[B, H_kv, capacity, words]`` storage (a slice would be copied).
+    Returns the normalised rotated-domain output [B, H_kv, R, D] and the
+    natural-log log-sum-exp [B, H_kv, R], both float32.  The tensor-core
+    routes use fp16 operands with fp32 accumulation (~1e-3 relative error,
+    like fp16 SDPA); SIMT is fp32 throughout.  ``blocks``/``warps``: another
+    launch shape than the table's (tests, benchmarks).
+    """
+    B, H, R, D = q_rot.shape
+    if values_packed.shape[-1] != (D * value_bits + 31) // 32:
+        raise ValueError("decode kernel: values must have the keys' head dim")
+    cap = keys_packed.shape[2]
+    inputs = [f32(q_rot), keys_packed, keys_norms, values_packed, values_norms]
+    if route is Route.TC8:
+        kw = {} if blocks is None else {"blocks": blocks}
+        cfg = table.tc8_config(D, R, B * H, n, key_bits, value_bits, warps=warps, **kw)
+        tables = tc8_tables(key_centroids, key_bits, value_centroids, value_bits, cfg)
+        (ws,) = launch(
+            "tq_decode_tc8", prelude=cfg["PRELUDE"],
+            inputs=inputs + tables + [meta(*tc8_head(n, cap, cfg, H, R, fused=False))],
+            template=list(cfg["TEMPLATE"]), grid=(cfg["GRID_X"], H, B), threadgroup=(cfg["NW"] * 32, 1, 1),
+            output_shapes=[(cfg["WS"],)], output_dtypes=[mx.float32],
+            init_value=0.0,  # the split counters start at zero
+        )
+        o0, l0 = cfg["OFF_OUT"], cfg["OFF_LSE"]
+        return ws[o0:o0 + B * H * R * D].reshape(B, H, R, D), ws[l0:l0 + B * H * R].reshape(B, H, R)
+    if route is Route.TC:
+        cfg = table.tc_config(D, R, B * H, n, blocks=blocks, warps=warps or table.TC_WARPS)
+        S, NW = cfg["S"], cfg["NW"]
+        params = split_params(n, cap, cfg["TOKS"], H, S, R, cfg["RT"])
+        tables = [pair_table(key_centroids, key_bits), pair_table(value_centroids, value_bits)]
+        po, pm, pl = launch(
+            "tq_decode_tc", prelude=launch_bounds(NW * 32, 0), inputs=inputs + tables + [params],
+            template=[("D", D), ("BK", key_bits), ("BV", value_bits), ("GL", cfg["GL"]), ("NW", NW)],
+            grid=(S * NW * 32, H * cfg["RT"], B), threadgroup=(NW * 32, 1, 1),
+            output_shapes=[(B, H, S, R, D), (B, H, S, R), (B, H, S, R)],
+            output_dtypes=[mx.float32] * 3,
+        )
+    elif route is Route.SIMT:
+        cfg = table.simt_config(D, R, B * H, n, **({} if blocks is None else {"blocks": blocks}))
+        if cfg is None:
+            raise ValueError(f"decode kernel: unsupported head dim {D} with {R} query rows")
+        S, NW = cfg["S"], cfg["NW"]
+        params = split_params(n, cap, cfg["TOKS"], H, S)
+        po, pm, pl = launch(
+            "tq_decode", inputs=inputs + [f32(key_centroids), f32(value_centroids), params],
+            template=[("D", D), ("BK", key_bits), ("BV", value_bits), ("GL", R),
+                      ("DPT", cfg["DPT"]), ("NW", NW), ("U", cfg["U"])],
+            grid=(S * NW * 32, H, B), threadgroup=(NW * 32, 1, 1),
+            output_shapes=[(B, H, S, R, D), (B, H, S, R), (B, H, S, R)],
+            output_dtypes=[mx.float32] * 3,
+        )
+    else:
+        raise ValueError(f"decode: {route} is not a split-K kernel route")
+    out, lse = launch(
+        "tq_decode_reduce", inputs=[po, pm, pl, params], template=[("D", D), ("GL", R)],
+        grid=(D, R, B * H), threadgroup=(D, 1, 1),
+        output_shapes=[(B, H, R, D), (B, H, R)], output_dtypes=[mx.float32] * 2,
+    )
+    return out, lse
+
+
+def dequantize(
+    packed: mx.array, norms: mx.array, centroids: mx.array, n: int, bits: int,
+    dim: int, dtype: mx.Dtype = mx.float16, mean_rot: Optional[mx.array] = None,
+) -> mx.array:
+    """Rotated-domain vectors [B, H, n, dim] of packed tokens ``[0, n)``:
+    ``norm * centroids[idx] (+ mean_rot)`` in ``dtype``; ``mean_rot``
+    [B, H, dim] (a rotated per-head mean) is added if given."""
+    B, H = packed.shape[:2]
+    if mean_rot is None:
+        mean_rot = mx.zeros((B, H, dim), mx.float32)
+    (out,) = launch(
+        "tq_dequant",
+        inputs=[packed, norms, f32(centroids), f32(mean_rot).reshape(B, H, dim),
+                split_params(n, packed.shape[2])],
+        template=[("D", dim), ("BITS", bits), ("T", dtype)],
+        grid=(n * dim, H, B), threadgroup=(256, 1, 1),
+        output_shapes=[(B, H, n, dim)], output_dtypes=[dtype],
+    )
+    return out
+
+
+def supports_quantize(codec) -> bool:
+    """The quantize kernel: scalar codes, a Hadamard rotation, a power-of-two
+    head dim 32..1024."""
+    d = codec.dim
+    return (
+        getattr(codec, "quantizer", "scalar") == "scalar"  # no trellis (TCQ) kernel
+        and codec.rotation.uses_hadamard and 32 <= d <= 1024 and (d & (d - 1)) == 0
+    )
+
+
+def quantize(x: mx.array, codec) -> tuple[mx.array, mx.array]:
+    """``codec.quantize(x)`` in one kernel: (packed uint32 [..., words], norms float16 [...]).
+
+    Matches the reference codec except where float rounding of the rotation
+    moves a coordinate across a codebook boundary.
+    """
+    if not supports_quantize(codec):
+        raise ValueError(f"quantize kernel: needs a power-of-two Hadamard dim 32..1024; got {codec.rotation!r}")
+    d = codec.dim
+    lead = x.shape[:-1]
+    m = math.prod(lead)
+    bounds, cents = codebook_arrays(codec.bits, d)
+    packed, norms = launch(
+        "tq_quantize",
+        inputs=[x.reshape(m, d), f32(codec.rotation.signs), bounds, cents],
+        template=[("D", d), ("BITS", codec.bits), ("T", x.dtype)],
+        grid=(m * d, 1, 1), threadgroup=(d, 1, 1),
+        output_shapes=[(m, codec.words), (m,)], output_dtypes=[mx.uint32, mx.float16],
+    )
+    return packed.reshape(*lead, codec.words), norms.reshape(lead)
+
+
+def quantize_any(x: mx.array, codec) -> tuple[mx.array, mx.array]:
+    """The cache's append hook: the kernel where the kernels run and cover
+    the codec, else ``codec.quantize`` (the reference)."""
+    if device.use_kernels() and supports_quantize(codec):
+        return quantize(x, codec)
+    return tuple(codec.quantize(x))
