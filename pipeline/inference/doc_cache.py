@@ -216,9 +216,8 @@ class DocCacheStore:
             loaded = kv_file.read(path, key=key.fields())
             if loaded.prefix_ids != list(prefix_ids):
                 raise CacheFileError("stored prompt tokens differ from this document's")
-        except CacheFileError as e:
-            log.warning("document cache %s is unusable, prefilling instead: %s", path, e)
-            _unlink(path)
+        except Exception as e:  # a cache only saves time: whatever is wrong with it, prefill instead
+            self.discard(key, f"{e}" if isinstance(e, CacheFileError) else f"{type(e).__name__}: {e}")
             return None
         load_s = time.perf_counter() - t0
         try:
@@ -227,6 +226,12 @@ class DocCacheStore:
             pass
         return Hit(caches=loaded.caches, info=loaded.info, load_s=load_s,
                    nbytes=path.stat().st_size if path.exists() else 0, path=path)
+
+    def discard(self, key: DocKey, reason: str) -> None:
+        """Warn that ``key``'s entry is unusable and delete it (the next save replaces it)."""
+        path = self.path_for(key)
+        log.warning("document cache %s is unusable, prefilling instead: %s", path, reason)
+        _unlink(path)
 
     def contains(self, key: DocKey) -> bool:
         """Whether a complete entry of ``key``'s format is present (header check only)."""
@@ -253,8 +258,8 @@ class DocCacheStore:
         except UnsupportedCache as e:
             log.info("document cache not stored: layer cache %s is not storable", e)
             return None
-        except OSError as e:
-            log.warning("document cache not stored in %s: %s", self.root, e)
+        except Exception as e:  # a full disk, a read-only mount...: the run goes on without
+            log.warning("document cache not stored in %s: %s: %s", self.root, type(e).__name__, e)
             return None
         if nbytes > self.max_bytes:
             log.warning("document cache %s (%.1f MiB) exceeds the store's cap (%.1f MiB); removed",

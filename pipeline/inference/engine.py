@@ -45,7 +45,6 @@ chunk and continued after the document with its ``rope_deltas`` offset.
 from __future__ import annotations
 
 import inspect
-import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
@@ -55,8 +54,6 @@ import mlx.core as mx
 from pipeline.errors import TqpipeError
 from pipeline.inference.doc_cache import DocCacheStore, DocKey, document_key, model_identity
 from pipeline.inference.prompt import DocumentPrompt, concat_image_inputs
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -232,7 +229,7 @@ class Engine:
             return None
         fresh = _make_cache(self.loaded.model, self.cache_spec)  # also installs the attention hook
         if [type(c) for c in fresh] != [type(c) for c in hit.caches]:
-            logger.warning("document cache %s: its layers do not match this model; prefilling instead", hit.path)
+            self.store.discard(key, "its layer caches are not the ones this model and cache spec build")
             return None
         self.cache = hit.caches
         total = len(prompt.prefix_ids)

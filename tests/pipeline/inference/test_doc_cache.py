@@ -250,3 +250,26 @@ def test_model_identity_follows_the_weight_files(tmp_path):
     assert a == model_identity("m", {}, model_dir=tmp_path) and a["device"] and a["mlx"]
     (tmp_path / "model.safetensors").write_bytes(b"y" * 11)
     assert model_identity("m", {}, model_dir=tmp_path)["weights"] != a["weights"]
+
+
+def test_a_store_that_cannot_be_written_is_a_warning(tmp_path, prefilled, caplog):
+    _, caches, ids = prefilled
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("x")
+    with caplog.at_level(logging.WARNING):
+        assert DocCacheStore(blocker).save(key(), caches, ids, {}) is None
+    assert "document cache not stored" in caplog.text
+
+
+def test_any_error_while_reading_is_a_miss(tmp_path, prefilled, caplog, monkeypatch):
+    _, caches, ids = prefilled
+    store = DocCacheStore(tmp_path)
+    store.save(key(), caches, ids, {})
+
+    def broken(*a, **k):
+        raise RuntimeError("unexpected")
+
+    monkeypatch.setattr(kv_file, "read", broken)
+    with caplog.at_level(logging.WARNING):
+        assert store.load(key(), ids) is None
+    assert "RuntimeError: unexpected" in caplog.text and not store.path_for(key()).exists()

@@ -109,7 +109,10 @@ def test_a_cache_of_other_layer_types_is_a_miss(tmp_path, caplog):
     engine = Engine(tiny_llama(), tq, store=DocCacheStore(tmp_path))
     engine.process(prompt, TASKS[:1], key=key)
     assert engine.cache_loads == 0 and engine.prefill_count == 1
-    assert "do not match this model" in caplog.text
+    assert "not the ones this model and cache spec build" in caplog.text
+    again = Engine(tiny_llama(), tq, store=DocCacheStore(tmp_path))  # the bad entry was replaced
+    again.process(prompt, TASKS[:1], key=key)
+    assert again.cache_loads == 1 and again.prefill_count == 0
 
 
 def test_tasks_after_a_hit_extend_the_loaded_cache_without_touching_the_file(tmp_path):
