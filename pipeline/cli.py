@@ -1,7 +1,8 @@
 """The ``tqpipe`` command line.
 
-Commands: ``run JOB``, ``watch DIR --job JOB``, ``status JOB``,
-``validate JOB``, ``samples [DIR]``, ``ask FILE --prompt ...``,
+Commands: ``run JOB`` (or ``run FILE... --prompt``), ``watch DIR --job JOB``,
+``status JOB``, ``validate JOB``, ``export JOB``, ``report JOB``,
+``schema record|job``, ``samples [DIR]``, ``ask FILE --prompt ...``,
 ``cache ls|rm|prune``.
 
 Exit codes (the same for every command, so cron and scripts can branch):
@@ -10,20 +11,28 @@ Exit codes (the same for every command, so cron and scripts can branch):
 code  meaning
 ====  ==========================================================
 0     success: every document x task is done (or nothing to do)
-1     at least one document failed (its error records are written)
+1     at least one document failed (its error records are written);
+      with ``strict: true`` also a record with quality warnings
 2     bad job file or bad command line (nothing was run)
 3     another run of this job holds its lock (nothing was run)
+4     the run could not proceed: the model does not load, the output
+      or its folder cannot be written, the disk is full (no document
+      is blamed: no error records are written for it)
+130   stopped by SIGINT (Ctrl-C); 143: stopped by SIGTERM
 ====  ==========================================================
 
-``status`` exits 1 when any (document, task) of the job is recorded as
-failed, else 0 (pending work is not a failure).  Errors print ONE line that
-names the file and the problem; ``-v`` adds debug logging and tracebacks.
+``status`` exits 1 on the same rule as ``run`` (failed records, or warned
+ones under ``strict``), else 0 (pending work is not a failure).  Errors
+print ONE line that names the file and the problem; ``-v`` adds debug
+logging and tracebacks.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -33,17 +42,22 @@ import click
 import pipeline  # noqa: F401  (fast CPU BLAS before anything imports mlx.core)
 
 from pipeline.errors import JobFileError, LockHeldError, PageRangeError, TqpipeError
+from pipeline.schema.paths import shown
 
 if TYPE_CHECKING:
     from pipeline.schema.job import Job
+    from pipeline.schema.overrides import Overrides
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_LOCKED = 0, 1, 2, 3
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_LOCKED, EXIT_RUN = 0, 1, 2, 3, 4
 EXIT_CODES_HELP = (
     "\b\nExit codes:\n"
     "  0  all documents x tasks done\n"
-    "  1  at least one document failed (error records written)\n"
+    "  1  at least one document failed (error records written;\n"
+    "     with strict: true also records with warnings)\n"
     "  2  bad job file or usage error (nothing run)\n"
-    "  3  the job's lock is held by another run (nothing run)"
+    "  3  the job's lock is held by another run (nothing run)\n"
+    "  4  the run could not proceed (model, output, disk)\n"
+    "  130, 143  stopped by SIGINT, SIGTERM"
 )
 logger = logging.getLogger("tqpipe")
 
@@ -53,16 +67,26 @@ def _fail(message: str, code: int) -> None:
     sys.exit(code)
 
 
-def _load(job_path: str, pages: str | None = None, *, check_inputs: bool = True) -> Job:
-    """Load and check the job, with a ``--pages`` override applied (exit 2
-    with one clear line on any problem).  The one place ``--pages`` enters a
-    run: every command below only sees the returned job."""
+def _load(job_path: str, pages: str | None = None, overrides: Overrides | None = None, *,
+          check_inputs: bool = True) -> Job:
+    """Load and check the job, with ``--pages`` and the other command-line
+    overrides applied (exit 2 with one clear line on any problem).  The one
+    place overrides enter a run: every command below only sees the returned job."""
     from pipeline.inputs.job_file import load_job
+    from pipeline.inputs.oneoff import EXPECTED, JOB_SUFFIXES
+    from pipeline.output.target import check_output
     from pipeline.schema.job import with_pages
+    from pipeline.schema.overrides import OverrideError, apply_overrides
 
     try:
         job = with_pages(load_job(job_path, check_inputs=check_inputs), pages)
+        if overrides is not None:
+            job = apply_overrides(job, overrides)
+        check_output(job)
     except JobFileError as e:
+        hint = "" if Path(job_path).suffix.lower() in JOB_SUFFIXES else f" (tqpipe run expects {EXPECTED})"
+        _fail(f"{e}{hint}", EXIT_USAGE)
+    except OverrideError as e:
         _fail(str(e), EXIT_USAGE)
     except PageRangeError as e:
         _fail(f"--pages: {e}", EXIT_USAGE)
@@ -85,63 +109,155 @@ def _verbose_option(f):
     return click.option("-v", "--verbose", is_flag=True, help="Debug logging and tracebacks.")(f)
 
 
+def _override_options(f):
+    """The flags mlx-vlm / mlx-lm / olmocr users already type; each overrides the job file."""
+    opts = [
+        click.option("--model", default=None, help="Model folder or hub id (overrides model.path)."),
+        click.option("--kv-bits", type=float, default=None, help="KV cache bits, e.g. 3.5 (overrides cache.kv_bits)."),
+        click.option("--kv-quant-scheme", type=click.Choice(["turboquant", "fp16", "affine"]), default=None,
+                     help="KV cache scheme (overrides cache.kv_quant_scheme)."),
+        click.option("--kv-key-bits", type=int, default=None, help="TurboQuant key bits (overrides cache.key_bits)."),
+        click.option("--kv-value-bits", type=int, default=None, help="TurboQuant value bits (overrides cache.value_bits)."),
+        click.option("--max-tokens", type=click.IntRange(min=1), default=None, help="Answer budget of every task."),
+        click.option("--prompt", default=None, help="Ask this one question instead of the job's tasks (one-off mode: required)."),
+        click.option("--format", "fmt", type=click.Choice(["text", "json"]), default=None, help="Answer format of --prompt."),
+        click.option("--fields", default=None, help="JSON keys of the --prompt answer, comma-separated (implies --format json)."),
+        click.option("-o", "--output", default=None, help="Results file (overrides output; one-off mode: instead of stdout)."),
+    ]
+    for opt in reversed(opts):
+        f = opt(f)
+    return f
+
+
 @main.command(epilog=EXIT_CODES_HELP)
-@click.argument("job_file", metavar="JOB", type=click.Path(dir_okay=False))
+@click.argument("targets", metavar="JOB | FILE...", nargs=-1, required=True)
 @click.option("--pages", help="Page ranges for every document, e.g. '1-20,35,-5' (overrides the job's context.pages).")
-@click.option("--dry-run", is_flag=True, help="Ingest and tokenize only: per document pages, tokens, images, whether it fits. Loads no model, writes nothing.")
+@_override_options
+@click.option("--dry-run", is_flag=True, help="Ingest and tokenize only: per document pages, tokens, images, whether it fits, KV bytes. Loads no model, writes nothing.")
 @click.option("--retry-failed", is_flag=True, help="Run again (document, task) pairs recorded as failed.")
 @click.option("--engine", type=click.Choice(["local", "ray"]), default=None, help="Override the job's engine.kind.")
 @click.option("--address", default=None, help="Ray: cluster address ('auto', 'ray://host:10001'); overrides engine.address.")
 @click.option("--workers", type=click.IntRange(min=1), default=None, help="Ray: worker actors; overrides engine.workers.")
 @click.option("--no-progress", is_flag=True, help="No progress bars or progress log lines.")
 @_verbose_option
-def run(job_file: str, pages: str | None, dry_run: bool, retry_failed: bool, engine: str | None,
-        address: str | None, workers: int | None, no_progress: bool, verbose: bool) -> None:
+def run(targets: tuple[str, ...], pages: str | None, dry_run: bool, retry_failed: bool, engine: str | None,
+        address: str | None, workers: int | None, no_progress: bool, verbose: bool, **flags) -> None:
     """Process every document of JOB not yet in its results file.
+
+    One-off mode, no job file: ``tqpipe run FILE.pdf [FILE2 ...] --prompt
+    "..."`` asks one question of each file; records go to stdout as JSONL
+    (or to --output), progress and the summary to stderr.
 
     Progress: tqdm bars on a terminal, plain log lines otherwise (cron).
     """
     from pipeline.run.progress import configure_logging
+    from pipeline.schema.overrides import OverrideError, Overrides, parse_fields
 
     configure_logging(verbose)
-    job = _load(job_file, pages)
+    try:
+        ov = Overrides(fields=parse_fields(flags.pop("fields")), format=flags.pop("fmt"), **flags)
+    except OverrideError as e:
+        _fail(str(e), EXIT_USAGE)
+    oneoff = _is_oneoff(targets)
+    with _oneoff_output(oneoff and ov.output is None) as scratch:
+        job = _load_oneoff(list(targets), ov, scratch, pages) if oneoff else _load(targets[0], pages, ov)
+        _run_loaded(job, targets[0], dry_run=dry_run, retry_failed=retry_failed, engine=engine, address=address,
+                    workers=workers, no_progress=no_progress, verbose=verbose,
+                    summary_err=oneoff, stdout_records=scratch is not None)
+
+
+def _is_oneoff(targets: tuple[str, ...]) -> bool:
+    """Documents on the command line (one-off mode), or exactly one job file."""
+    from pipeline.inputs.oneoff import EXPECTED, is_document_arg
+
+    docs = [is_document_arg(t) for t in targets]
+    if all(docs):
+        return True
+    if len(targets) > 1:
+        bad = next(t for t, d in zip(targets, docs) if not d)
+        _fail(f"{bad}: give one job file, or only documents; tqpipe run expects {EXPECTED}", EXIT_USAGE)
+    return False
+
+
+@contextlib.contextmanager
+def _oneoff_output(needed: bool):
+    """A scratch results file for one-off records bound for stdout (removed afterwards)."""
+    if not needed:
+        yield None
+        return
+    with tempfile.TemporaryDirectory(prefix="tqpipe-oneoff-") as d:
+        yield Path(d) / "oneoff.jsonl"
+
+
+def _load_oneoff(files: list[str], ov, scratch: Path | None, pages: str | None) -> Job:
+    from pipeline.inputs.oneoff import oneoff_job
+    from pipeline.schema.job import with_pages
+    from pipeline.schema.overrides import OverrideError
+
+    from pipeline.output.target import check_output
+
+    try:
+        job = with_pages(oneoff_job(files, ov, scratch or Path(ov.output)), pages)
+        check_output(job)
+        return job
+    except JobFileError as e:
+        _fail(str(e), EXIT_USAGE)
+    except OverrideError as e:
+        _fail(str(e), EXIT_USAGE)
+    except PageRangeError as e:
+        _fail(f"--pages: {e}", EXIT_USAGE)
+
+
+def _run_loaded(job: Job, job_file: str, *, dry_run: bool, retry_failed: bool, engine: str | None,
+                address: str | None, workers: int | None, no_progress: bool, verbose: bool,
+                summary_err: bool, stdout_records: bool) -> None:
     kind = engine or job.spec.engine.kind
     if kind != "ray" and (address is not None or workers is not None):
         # Silently ignoring them would run a cluster-sized job on one machine.
         flags = " and ".join(f for f, v in (("--address", address), ("--workers", workers)) if v is not None)
         _fail(f"{flags} only apply to the Ray engine; add --engine ray (or set engine.kind: ray in {job_file})",
               EXIT_USAGE)
-    try:
-        if kind == "ray" and not dry_run:
-            from pipeline.run import ray_engine  # imported only when asked: Ray is heavy
+    from pipeline.run.signals import stop_on_signals, stopped_from
 
-            summary = ray_engine.run_job_on_ray(job, address=address, workers=workers, retry_failed=retry_failed,
-                                                progress=not no_progress)
-        else:
-            from pipeline.run.runner import run_job
+    with stop_on_signals():
+        try:
+            if kind == "ray" and not dry_run:
+                from pipeline.run import ray_engine  # imported only when asked: Ray is heavy
 
-            summary = run_job(job, retry_failed=retry_failed, dry_run=dry_run,
-                              progress=not no_progress, echo=click.echo)
-    except LockHeldError as e:
-        _fail(str(e), EXIT_LOCKED)
-    except TqpipeError as e:
-        if verbose:
-            logger.exception("run failed")
-        _fail(str(e), EXIT_FAILED)
+                summary = ray_engine.run_job_on_ray(job, address=address, workers=workers, retry_failed=retry_failed,
+                                                    progress=not no_progress)
+            else:
+                from pipeline.run.runner import run_job
+
+                summary = run_job(job, retry_failed=retry_failed, dry_run=dry_run,
+                                  progress=not no_progress, echo=lambda m: click.echo(m, err=summary_err))
+        except KeyboardInterrupt as e:
+            stop = stopped_from(e)
+            _fail(f"{job.spec.name}: stopped by {stop.name}; every record written is kept, the one in flight "
+                  f"was abandoned and the lock released; a plain rerun continues", stop.exit_code)
+        except LockHeldError as e:
+            _fail(str(e), EXIT_LOCKED)
+        except (JobFileError, PageRangeError) as e:
+            _fail(str(e), EXIT_USAGE)
+        except TqpipeError as e:  # model, output, disk, cluster: the run, not a document
+            if verbose:
+                logger.exception("run failed")
+            _fail(f"{e} (the run could not proceed; no document was marked failed)", EXIT_RUN)
+    if stdout_records and job.output_path.exists():
+        sys.stdout.buffer.write(job.output_path.read_bytes())
+        sys.stdout.flush()
     if not dry_run:
-        click.echo(
-            f"{job.spec.name}: {summary.documents} documents; {summary.done} done, {summary.failed} failed, "
-            f"{summary.skipped} already done; {summary.records_written} records -> {job.output_path}"
-        )
+        where = "stdout" if stdout_records else job.output_path
+        click.echo(f"{job.spec.name}: {summary.line()} -> {where}", err=summary_err)
     if summary.failed_documents:
-        click.echo("failed: " + ", ".join(summary.failed_documents), err=True)
+        click.echo("failed: " + ", ".join(shown(d) for d in summary.failed_documents), err=True)
     sys.exit(summary.exit_code)
 
 
 @main.command(epilog=EXIT_CODES_HELP)
 @click.argument("inbox", type=click.Path(file_okay=False))
 @click.option("--job", "job_file", required=True, type=click.Path(dir_okay=False), help="Job file whose model, tasks and output to use.")
-@click.option("--settle", default=2.0, show_default=True, help="Seconds a file's size must stay unchanged before it is read.")
+@click.option("--settle", default=2.0, show_default=True, help="Seconds a file's size and mtime must stay unchanged before it is read.")
 @click.option("--poll", default=1.0, show_default=True, help="Seconds between inbox scans.")
 @click.option("--pages", help="Page ranges, overriding the job's context.pages.")
 @click.option("--max-polls", type=int, default=None, help="Stop after this many scans (default: run until interrupted).")
@@ -150,49 +266,68 @@ def watch(inbox: str, job_file: str, settle: float, poll: float, pages: str | No
           verbose: bool) -> None:
     """Process each new file (or image folder) dropped into INBOX, exactly once.
 
-    A file is read once its size has stopped changing for --settle seconds.
+    A file is read once its size and mtime have stopped changing for
+    --settle seconds and (Linux) no process holds it open for writing.  A
+    relative INBOX is relative to the current folder.
     Results are appended to the job's output; a ledger next to it
     (<output>.inbox.jsonl) remembers handled files across restarts.  The
     job's own ``inputs:`` may match nothing: the documents come from INBOX.
     A file that is no document (``notes.txt``) is reported by name once and
     recorded as failed in the ledger, not silently ignored.
     """
+    import os
+
     from pipeline.inference.engines import Engines
     from pipeline.inputs.discover import expand_input
     from pipeline.run.progress import configure_logging
     from pipeline.run.runner import run_job
-    from pipeline.run.watch import InboxWatcher
+    from pipeline.run.signals import stop_on_signals, stopped_from
+    from pipeline.run.watch import InboxError, InboxWatcher
 
     configure_logging(verbose)
     job = _load(job_file, pages, check_inputs=False)
     engines = Engines(job)  # one model load for the whole watch session
+    inbox_dir = Path(os.path.abspath(inbox))  # relative to the current folder, like any command-line path
 
     out_dir, ours = job.output_path.resolve().parent, job.output_path.name
+
+    def refs_of(path: Path) -> list:
+        try:
+            return expand_input(job, str(path))  # absolute: the job's folder plays no part
+        except JobFileError:  # "neither a PDF nor an image": the dropped file's fault, not the job file's
+            return []
 
     def handle(path: Path) -> str:
         if path.resolve().parent == out_dir and path.name.startswith(ours):
             return "ignored"  # our own results file (or its .lock) when the output lives in INBOX
-        try:
-            refs = expand_input(job, str(path))
-        except JobFileError:  # "neither a PDF nor an image": the dropped file's fault, not the job file's
-            refs = []
+        refs = refs_of(path)
         if not refs:
-            raise TqpipeError(f"{path}: not a PDF, an image or a folder of images; skipped")
+            raise TqpipeError(f"{shown(path)}: not a PDF, an image or a folder of images; skipped")
         summary = run_job(job, refs=refs, engines=engines, progress=False, echo=click.echo)
-        return "failed" if summary.failed else "ok"
+        return "failed" if summary.exit_code else "ok"
+
+    def same_content(path: Path, original: Path) -> None:
+        """Records for a second name of handled bytes, copied from the first (no prefill)."""
+        run_job(job, refs=refs_of(original) + refs_of(path), engines=engines, progress=False, echo=click.echo)
 
     ledger = job.output_path.with_name(job.output_path.name + ".inbox.jsonl")
     # Offer every settled file (temporary names still excluded) so a stray
     # notes.txt gets a message naming it instead of vanishing without a word.
-    watcher = InboxWatcher(Path(inbox), ledger, settle_seconds=settle, poll_seconds=poll, patterns=("*",))
-    try:
-        watcher.run(handle, max_iterations=max_polls)
-    except LockHeldError as e:
-        _fail(f"{e} (is another watcher running on this job?)", EXIT_LOCKED)
-    except TqpipeError as e:
-        _fail(str(e), EXIT_USAGE)
-    except KeyboardInterrupt:
-        click.echo("tqpipe: watch stopped", err=True)
+    watcher = InboxWatcher(inbox_dir, ledger, settle_seconds=settle, poll_seconds=poll, patterns=("*",),
+                           same_content=same_content)
+    with stop_on_signals():
+        try:
+            watcher.run(handle, max_iterations=max_polls)
+        except KeyboardInterrupt as e:
+            stop = stopped_from(e)
+            _fail(f"watch {shown(inbox_dir)}: stopped by {stop.name}; handled files are in the ledger, "
+                  f"the one in flight is offered again at the next start", stop.exit_code)
+        except LockHeldError as e:
+            _fail(f"{e} (is another watcher running on this job?)", EXIT_LOCKED)
+        except InboxError as e:
+            _fail(str(e), EXIT_USAGE)
+        except TqpipeError as e:  # model, ledger, output: the watcher cannot go on
+            _fail(f"{e} (the watcher could not proceed)", EXIT_RUN)
     sys.exit(EXIT_OK)
 
 
@@ -207,31 +342,39 @@ def status(job_file: str, pages: str | None, as_json: bool) -> None:
     record yet.  Reads only; safe while a run is going.
     """
     from pipeline.inputs.discover import discover
-    from pipeline.output.results_log import summarize
+    from pipeline.output.results_log import read_index, summarize
     from pipeline.run.plan import WorkPlan
 
     job = _load(job_file, pages)
-    expected, unreadable = WorkPlan(job).expected_keys(discover(job))
-    counts = summarize(job.output_path, expected)
+    index = read_index(job.output_path)
+    expected, unreadable = WorkPlan(job).expected_keys(discover(job), index[0])
+    counts = summarize(job.output_path, expected, strict=job.spec.strict, index=index)
     counts["unreadable_documents"] = unreadable
     if as_json:
         import orjson
 
         click.echo(orjson.dumps(counts).decode())
     else:
+        extra = ""
+        if counts["warned"]:
+            codes = ", ".join(f"{c} {n}" for c, n in counts["warnings"].items())
+            extra += f"; {counts['warned']} done with warnings ({codes}){', failing under strict' if job.spec.strict else ''}"
+        if counts["retryable"]:
+            extra += f"; {counts['retryable']} failed retried by the next run"
         click.echo(
             f"{job.spec.name}: done {counts['done']}, failed {counts['failed']}, pending {counts['pending']} "
-            f"(of {counts['expected']} document x task; {counts['stale']} stale keys from older configs) "
+            f"(of {counts['expected']} document x task; {counts['stale']} stale keys from older configs){extra} "
             f"-> {job.output_path}"
         )
-    sys.exit(EXIT_FAILED if counts["failed"] else EXIT_OK)
+    sys.exit(EXIT_FAILED if counts["failing"] else EXIT_OK)
 
 
 @main.command(epilog=EXIT_CODES_HELP)
 @click.argument("job_file", metavar="JOB", type=click.Path(dir_okay=False))
 def validate(job_file: str) -> None:
-    """Check JOB (schema, inputs, model path) without running anything."""
+    """Check JOB (schema, inputs, model path, output file) without running anything."""
     from pipeline.inputs.discover import discover
+    from pipeline.output.target import check_output
 
     job = _load(job_file)
     spec = job.spec
@@ -246,7 +389,66 @@ def validate(job_file: str) -> None:
     click.echo(f"  cache:     {cache.kv_quant_scheme}{bits}, prefill chunk {cache.prefill_chunk}")
     click.echo(f"  context:   max {spec.context.max_tokens} tokens, overflow {spec.context.overflow}, images {spec.context.images}"
                + (f", pages {spec.context.pages}" if spec.context.pages else ""))
-    click.echo(f"  output:    {job.output_path}")
+    click.echo(f"  output:    {check_output(job, refs)}" + (" (new)" if not job.output_path.exists() else ""))
+    if spec.strict:
+        click.echo("  strict:    records with warnings count as failures")
+    sys.exit(EXIT_OK)
+
+
+@main.command(epilog=EXIT_CODES_HELP)
+@click.argument("job_file", metavar="JOB", type=click.Path(dir_okay=False))
+@click.option("--format", "fmt", type=click.Choice(["markdown", "csv", "parquet"]), required=True,
+              help="markdown: one section per document; csv/parquet: one row per document x task.")
+@click.option("-o", "--output", default=None, help="File to write (default: the results file with .md/.csv/.parquet).")
+def export(job_file: str, fmt: str, output: str | None) -> None:
+    """Write JOB's results as Markdown, CSV or Parquet (parquet needs pyarrow: tqpipe[parquet])."""
+    from pipeline.output.export import SUFFIX, ExportError
+    from pipeline.output.export import export as write_export
+
+    job = _load(job_file, check_inputs=False)
+    out = Path(output) if output else job.output_path.with_suffix(SUFFIX[fmt])
+    try:
+        n = write_export(job.output_path, fmt, out, job_name=job.spec.name)
+    except ExportError as e:
+        _fail(str(e), EXIT_USAGE)
+    click.echo(f"{n} records -> {out}")
+    sys.exit(EXIT_OK)
+
+
+@main.command(epilog=EXIT_CODES_HELP)
+@click.argument("job_file", metavar="JOB", type=click.Path(dir_okay=False))
+@click.option("-o", "--output", default=None, help="HTML file to write (default: the results file with .html).")
+def report(job_file: str, output: str | None) -> None:
+    """Write one self-contained HTML page for JOB's results: counts, a KV-bytes plot, every document."""
+    from pipeline.output.export import ExportError
+    from pipeline.output.report import write_report
+
+    job = _load(job_file, check_inputs=False)
+    out = Path(output) if output else job.output_path.with_suffix(".html")
+    try:
+        n = write_report(job.output_path, out, job_name=job.spec.name)
+    except ExportError as e:
+        _fail(str(e), EXIT_USAGE)
+    click.echo(f"{n} records -> {out}")
+    sys.exit(EXIT_OK)
+
+
+@main.command(epilog=EXIT_CODES_HELP)
+@click.argument("what", type=click.Choice(["record", "job"]))
+@click.option("--markdown", is_flag=True, help="job: the reference page (docs/job-file.md) instead of JSON Schema.")
+def schema(what: str, markdown: bool) -> None:
+    """Print the JSON Schema of a result record or of a job file."""
+    import json
+
+    from pipeline.schema.record_model import record_json_schema
+    from pipeline.schema.reference import job_json_schema, job_reference_markdown
+
+    if markdown:
+        if what != "job":
+            _fail("--markdown is only for 'schema job'", EXIT_USAGE)
+        click.echo(job_reference_markdown(), nl=False)
+    else:
+        click.echo(json.dumps(record_json_schema() if what == "record" else job_json_schema(), indent=2))
     sys.exit(EXIT_OK)
 
 

@@ -36,9 +36,14 @@ class IngestError(TqpipeError):
     many failed pages, page range out of bounds).  The runner turns it into an
     error record for that document and goes on with the next one."""
 
-    def __init__(self, path: str | Path, problem: str):
-        self.path = str(path)
+    def __init__(self, path: str | Path, problem: str, *, transient: bool = False):
+        from pipeline.schema.paths import shown
+
+        self.path = shown(path)
         self.problem = problem
+        #: True when the failure is not the document's content (an I/O error,
+        #: a file that vanished): a plain rerun retries it (see pipeline.run.plan).
+        self.transient = transient
         super().__init__(f"{self.path}: {problem}")
 
 
@@ -67,13 +72,25 @@ class LockHeldError(TqpipeError):
         super().__init__(f"{self.path}: locked{who}; another run of this job is in progress")
 
 
-class ModelLoadError(TqpipeError):
-    """A model path or hub id cannot be loaded (missing, offline, wrong kind)."""
+class RunError(TqpipeError):
+    """The run as a whole cannot proceed (model, output file, disk, lock file).
+
+    No document is to blame, so no per-document error record is written: a
+    record would mark every document failed and a plain rerun would then skip
+    them all.  The CLI exits with code 4 (see :mod:`pipeline.cli`).
+    """
+
+
+class ModelLoadError(RunError, ValueError):
+    """A model path or hub id cannot be loaded (missing, offline, wrong kind).
+
+    Also a ValueError: callers that validate model paths catch it as one.
+    """
 
 
 class ContextOverflowError(TqpipeError):
     """A document does not fit the context limit and the job says ``overflow: error``."""
 
 
-class CheckpointError(TqpipeError):
-    """The results file cannot be read or written safely."""
+class CheckpointError(RunError):
+    """The results file (or its lock or ledger) cannot be read or written safely."""

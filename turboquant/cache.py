@@ -119,6 +119,11 @@ class TurboQuantKVCache(_BaseCache):
         # Up to `flush_batch` tokens beyond the window wait and are
         # quantized together, which amortizes it.
         self._flush_batch = None if flush_batch is None else max(1, int(flush_batch))
+        # True while a task decodes over a prefilled document: every token
+        # appended stays exact, the packed document is never written (so a
+        # task's rewind is a trim, and rows sharing the document match a task
+        # run alone: turboquant.shared_prefix).
+        self.hold = False
         self.offset = 0
         self.packed_len = 0
         self.keys_packed: Optional[mx.array] = None
@@ -230,17 +235,25 @@ class TurboQuantKVCache(_BaseCache):
     def _flush_len(self) -> int:
         """Tokens the next ``update_and_fetch`` moves to packed storage: all
         beyond the window once at least ``flush_batch`` of them wait (a
-        prefill chunk always qualifies), else none."""
-        if self.window_keys is None:
+        prefill chunk always qualifies), else none; none while ``hold``."""
+        if self.window_keys is None or self.hold:
             return 0
         excess = self.window_keys.shape[2] - self.window
         return excess if excess >= self.flush_batch else 0
 
-    def _flush(self) -> None:
-        """Quantize the tokens beyond the exact window into packed storage."""
+    def settle(self) -> None:
+        """Quantize every token beyond the exact window now, whatever ``flush_batch``
+        says (the last prefill chunk would otherwise wait for the next append;
+        a task that ``hold``s would keep it exact for its whole decode)."""
+        if self.window_keys is not None:
+            self._flush(self.window_keys.shape[2] - self.window)
+
+    def _flush(self, excess: int | None = None) -> None:
+        """Quantize the tokens beyond the exact window (``excess`` of them,
+        default :meth:`_flush_len`) into packed storage."""
         if self.window_keys is None:
             return
-        excess = self._flush_len()
+        excess = self._flush_len() if excess is None else excess
         if excess <= 0:
             return
         if self.key_mean is None:
@@ -309,7 +322,7 @@ class TurboQuantKVCache(_BaseCache):
         self.offset = new_offset
         return n
 
-    _CHECKPOINT_ATTRS = ("offset", "packed_len", "window_keys", "window_values", "key_mean", "value_mean")
+    _CHECKPOINT_ATTRS = ("offset", "packed_len", "window_keys", "window_values", "key_mean", "value_mean", "hold")
 
     def checkpoint(self) -> dict:
         """A cheap marker to come back to with ``restore`` (references, no copies).
@@ -415,6 +428,7 @@ class TurboQuantKVCache(_BaseCache):
         kb, vb, window, seed, offset, packed_len, k_dim, v_dim = (int(x) for x in v[:8])
         self._use_policy(KVQuantPolicy(key_bits=kb, value_bits=vb, quantizer=quantizer, window=window, seed=seed))
         self._flush_batch = None  # a scheduling choice, not saved: the default
+        self.hold = False
         self.offset, self.packed_len = offset, packed_len
         self.reallocations, self._reserved = 0, 0
         self._dims = None

@@ -4,7 +4,9 @@ Models in both libraries compute attention through
 ``models.base.scaled_dot_product_attention(queries, keys, values, cache,
 scale, mask)`` with the cache they got from ``update_and_fetch``.
 ``install()`` wraps that function so a ``TurboQuantKVCache`` goes to
-``turboquant_attention`` and every other cache to the original, unchanged;
+``turboquant_attention``, a ``SharedPrefixCache`` (task rows over one
+document, any document cache) to ``shared_prefix_attention`` and every
+other cache to the original, unchanged;
 no model file is edited.  Model modules bind the function by name at import
 (``from .base import scaled_dot_product_attention``), so already-imported
 modules are rebound too; modules imported later pick up the wrapper from
@@ -28,6 +30,7 @@ from typing import Any, Callable
 
 from .cache import TurboQuantKVCache
 from .attention import turboquant_attention
+from .shared_prefix import SharedPrefixCache, shared_prefix_attention
 
 _BASES = ("mlx_lm.models.base", "mlx_vlm.models.base")
 _NAME = "scaled_dot_product_attention"
@@ -35,6 +38,10 @@ _NAME = "scaled_dot_product_attention"
 
 def _make_wrapper(original: Callable) -> Callable:
     def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=None):
+        if isinstance(cache, SharedPrefixCache):  # rows over one document (its own masks)
+            if sinks is not None:
+                raise ValueError("shared_prefix_attention: attention sinks are not supported")
+            return shared_prefix_attention(queries, keys, values, cache, scale)
         if isinstance(cache, TurboQuantKVCache):
             return turboquant_attention(queries, keys, values, cache, scale, mask, sinks)
         if sinks is None:

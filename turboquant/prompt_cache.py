@@ -88,7 +88,8 @@ def make_prompt_cache(
     ``"turboquant"``: ``TurboQuantKVCache`` on every plain ``KVCache`` layer,
     rotation seed ``seed + layer index``; also installs the attention hook
     (``integration.install``).  ``"affine"``: mlx's
-    ``QuantizedKVCache(affine_group_size, int(kv_bits))`` on the same layers.
+    ``QuantizedKVCache(affine_group_size, int(kv_bits))`` on the same layers
+    (``affine.PaddedQuantizedKVCache``: padded to a round length on CUDA).
     ``"fp16"``: the model's own caches (the baseline; the model's dtype).
     """
     policy = parse_kv_policy(
@@ -106,8 +107,14 @@ def make_prompt_cache(
             from mlx_vlm.models.cache import QuantizedKVCache
         else:
             from mlx_lm.models.cache import QuantizedKVCache
+        from .affine import PaddedQuantizedKVCache, cuda_pad_multiple
+
+        pad = cuda_pad_multiple()  # odd lengths have no CUDA kernel: see affine.py
         for i in layers:
-            caches[i] = QuantizedKVCache(group_size=policy.affine_group_size, bits=policy.affine_bits)
+            caches[i] = (
+                PaddedQuantizedKVCache(group_size=policy.affine_group_size, bits=policy.affine_bits, pad_multiple=pad)
+                if pad > 1 else QuantizedKVCache(group_size=policy.affine_group_size, bits=policy.affine_bits)
+            )
         return caches
 
     if layers:

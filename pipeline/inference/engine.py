@@ -11,11 +11,17 @@ own short suffix (the question) and decodes.  So the engine
    one chunk of keys, values, attention scores or hidden states and no
    full-vocabulary logits are ever computed for document tokens; the cache
    is evaluated and MLX's buffer cache cleared after every chunk;
-3. for each task: appends the task tokens, computes logits for the last
-   position only, decodes (greedy or temperature sampling, EOS stop), then
-   trims the cache back to the document length so the next task sees the
-   document exactly as prefilled.  Caches that cannot trim are restored from
-   a snapshot of their state instead.
+3. decodes all tasks of the document as ONE batch of rows (``run_batch``):
+   each task's suffix is appended per row (left-padded to the longest), and
+   every step reads the document cache once for all rows while each row
+   keeps its own small tail (``turboquant.shared_prefix``); rows stop at EOS
+   or their ``max_tokens`` without holding up the others.  Where rows cannot
+   share the document (a VLM, multimodal RoPE, a cache the shared attention
+   does not read) the tasks run one at a time (``run_task``): append the
+   task tokens, decode, then trim the cache back to the document so the next
+   task sees it exactly as prefilled (caches that cannot trim are restored
+   from a snapshot).  Either way the decode loop is asynchronous
+   (``pipeline.decode``) and logits exist for the last position only.
 
 Document caches: with a store (``pipeline.inference.doc_cache``) and a key,
 the engine first looks the document up; a hit loads the prefilled cache and
@@ -24,9 +30,10 @@ prefills and stores the cache before the first task, so a crash in a task
 still leaves it for the rerun.  A loaded cache is the saved one bit for bit,
 so its answers equal a fresh prefill's.
 
-Exactness of the rewind for TurboQuant: its exact window of recent tokens
-moves into packed (quantized) storage as the task tokens push it out, and a
-plain ``trim`` cannot un-quantize them.  After prefill we therefore keep
+Exactness of the rewind for TurboQuant: while a task runs the cache holds
+its window (``hold``: task tokens stay exact, nothing is flushed, the same
+view a batch row gets).  Restoring rather than trimming keeps that exact
+even for caches whose window moved before.  After prefill we therefore keep
 references to the cache's small mutable parts (window arrays, packed length,
 centring means; MLX arrays are immutable values, the cache replaces them
 rather than writing into them) and put them back after the trim.  Packed
@@ -44,6 +51,7 @@ chunk and continued after the document with its ``rope_deltas`` offset.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import time
 from dataclasses import dataclass, field
@@ -52,6 +60,10 @@ from typing import Any, Callable, Iterator, Sequence
 import mlx.core as mx
 
 from pipeline.errors import TqpipeError
+from pipeline.inference.constrained import json_processor
+from pipeline.inference.kv_size import KVGeometry, exact_tokens, figures
+from pipeline.inference.decode import Row
+from pipeline.inference.decode import decode_rows as _decode
 from pipeline.inference.doc_cache import DocCacheStore, DocKey, document_key, model_identity
 from pipeline.inference.prompt import DocumentPrompt, concat_image_inputs
 
@@ -67,6 +79,7 @@ class TaskResult:
     tokens: dict
     timing: dict
     cache: dict
+    constrained: bool = False  # decoded through a JSON constraint
 
 
 @dataclass
@@ -76,8 +89,10 @@ class _Prefilled:
     nbytes: int
     pos_delta: int | None  # mRoPE offset to continue positions after the document, None = cache offset
     pos_ndim: int = 2
+    exact_tokens: int | None = None  # TurboQuant: tokens still in the exact window after prefill
     snapshot: list | None = field(default=None, repr=False)
     windows: list | None = field(default=None, repr=False)
+    settled: bool = False  # TurboQuant windows trimmed to size before the first task (Engine.settle)
     doc_cache: dict | None = None  # the store's part of the record: hit, load_s / save_s, entry
 
 
@@ -108,13 +123,15 @@ class Engine:
     loaded from ``store`` instead.
     """
 
-    def __init__(self, loaded: Any, cache_spec: Any, *, seed: int = 0, store: DocCacheStore | None = None):
+    def __init__(self, loaded: Any, cache_spec: Any, *, seed: int = 0, batch_tasks: bool = True,
+                 store: DocCacheStore | None = None):
         self.loaded = loaded
         self.cache_spec = cache_spec
         self.seed = seed
         self.store = store
         self.cache_loads = 0
         self._model_identity: dict | None = None
+        self.batch_tasks = batch_tasks  # all tasks of a document as one batch where possible
         self.lm = loaded.model.language_model if loaded.kind == "vlm" else loaded.model
         self.backbone = getattr(self.lm, "model", None)
         params = _param_names(self.backbone.__call__) if self.backbone is not None else set()
@@ -134,19 +151,23 @@ class Engine:
                 self.eos_ids.update(int(v) for v in (value if isinstance(value, (list, tuple, set)) else [value]))
         self.cache: list | None = None
         self.prefill_count = 0
-        self.tokens_forwarded = 0
+        self.tokens_forwarded = 0  # rows x positions through the backbone
+        self.decode_forwards = 0  # decode steps (one forward for all live rows)
 
     # -- forward ----------------------------------------------------------
-    def _forward(self, ids: mx.array | None, embeds: mx.array | None, positions: mx.array | None, *, logits: bool):
+    def _forward(self, ids: mx.array | None, embeds: mx.array | None, positions: mx.array | None, *, logits: bool,
+                 cache: list | None = None):
         """One forward step over a chunk; returns last-position logits, or None
-        when ``logits`` is False (document chunks: the LM head never runs)."""
-        n = (ids if ids is not None else embeds).shape[1]
-        self.tokens_forwarded += n
+        when ``logits`` is False (document chunks: the LM head never runs).
+        ``cache`` defaults to the document's (task rows pass theirs)."""
+        x = ids if ids is not None else embeds
+        self.tokens_forwarded += x.shape[0] * x.shape[1]
+        cache = self.cache if cache is None else cache
         if self._head is None:
-            out = self.lm(ids, cache=self.cache)
+            out = self.lm(ids, cache=cache)
             out = getattr(out, "logits", out)
             return out[:, -1, :] if logits else None
-        kwargs: dict = {"cache": self.cache}
+        kwargs: dict = {"cache": cache}
         if embeds is not None:
             if self._embeds_kw is None:
                 raise TqpipeError(f"{type(self.backbone).__name__} takes no input embeddings; cannot merge page images")
@@ -199,7 +220,7 @@ class Engine:
         """The document state of the cache now in ``self.cache``, with what a rewind needs."""
         self.allocated_after_prefill = self.cache_allocated()
         state = _Prefilled(length=length, prefill_s=prefill_s, nbytes=self.cache_nbytes(),
-                           pos_delta=pos_delta, pos_ndim=pos_ndim)
+                           exact_tokens=exact_tokens(self.cache), pos_delta=pos_delta, pos_ndim=pos_ndim)
         if not all(c.is_trimmable() for c in self.cache):
             state.snapshot = [(_copy_state(c.state), c.meta_state) for c in self.cache]
         else:
@@ -242,7 +263,11 @@ class Engine:
         return state
 
     def save_cached(self, prompt: DocumentPrompt, key: DocKey, state: _Prefilled, info: dict | None = None) -> None:
-        """Store the freshly prefilled cache under ``key`` (errors are logged, never raised)."""
+        """Store the freshly prefilled cache under ``key`` (errors are logged, never raised).
+
+        Settled first (as every task would settle it), so the entry holds the
+        bytes the record reports and a loaded cache's ``settle`` is a no-op."""
+        self.settle(state)
         t0 = time.perf_counter()
         meta = {"length": state.length, "pos_delta": state.pos_delta, "pos_ndim": state.pos_ndim,
                 "prefill_s": round(state.prefill_s, 4), **(info or {})}
@@ -311,53 +336,123 @@ class Engine:
                 c.meta_state = meta
 
     # -- tasks --------------------------------------------------------------
-    def _sample(self, logits: mx.array, temperature: float, key: mx.array | None) -> int:
-        if temperature <= 0:
-            return int(mx.argmax(logits, axis=-1).item())
-        return int(mx.random.categorical(logits * (1.0 / temperature), key=key).item())
-
     def run_task(self, state: _Prefilled, task: Any, task_ids: Sequence[int], *, on_token: Callable[[int], None] | None = None) -> TaskResult:
-        """Append the task tokens to the prefilled document, decode, rewind."""
+        """Append the task tokens to the prefilled document, decode, rewind.
+
+        ``format: json`` tasks decode through a per-row logits processor
+        (:func:`~pipeline.inference.constrained.json_processor`) called with
+        the tokens so far before each sample, so the answer is valid JSON.
+        TurboQuant caches ``hold`` while the task runs: its tokens stay exact
+        and the packed document is never written (what batched rows see too).
+        """
+        self.settle(state)
         t0 = time.perf_counter()
         ids = mx.array(list(task_ids), dtype=mx.int32)[None]
+        row = Row.for_task(task, self.seed, json_processor(task, self.loaded.tokenizer))
         try:
+            for c in self.cache:
+                if hasattr(c, "hold"):
+                    c.hold = True
             logits = self._forward(ids, None, self._positions(state, ids.shape[1]), logits=True)
             mx.eval(logits)
             t1 = time.perf_counter()
-            key = mx.random.key(self.seed) if task.temperature > 0 else None
-            out: list[int] = []
-            finish = "length"
-            while len(out) < task.max_tokens:
-                sub = None
-                if key is not None:
-                    key, sub = mx.random.split(key)
-                tok = self._sample(logits, task.temperature, sub)
-                if tok in self.eos_ids:
-                    finish = "stop"
-                    break
-                out.append(tok)
-                if on_token is not None:
-                    on_token(1)
-                if len(out) == task.max_tokens:
-                    break
-                step = mx.array([[tok]], dtype=mx.int32)
-                logits = self._forward(step, None, self._positions(state, 1), logits=True)
-            t2 = time.perf_counter()
+
+            def step(y: mx.array) -> mx.array:
+                return self._forward(y[:, None], None, self._positions(state, 1), logits=True)
+
+            self.decode_forwards += _decode([row], logits, step, self.eos_ids, on_token=on_token)
             nbytes_end = self.cache_nbytes()
         finally:
             self._rewind(state)
-        text = self.loaded.tokenizer.decode(out)
+        return self._result(state, task, task_ids, row, t1 - t0, row.done_at - t1, nbytes_end)
+
+    def settle(self, state: _Prefilled) -> None:
+        """Before the first task: quantize what the last prefill chunk left
+        beyond TurboQuant's exact window (tasks ``hold`` the window, so it
+        would otherwise stay exact for every task) and re-mark the rewind
+        point.  Idempotent; the same tokens a task's first append would flush."""
+        if state.windows is None or state.settled:
+            return
+        for c in self.cache:
+            if hasattr(c, "settle"):
+                c.settle()
+        mx.eval([c.state for c in self.cache])
+        state.windows = [c.checkpoint() if hasattr(c, "checkpoint") else None for c in self.cache]
+        state.nbytes = self.cache_nbytes()
+        state.exact_tokens = exact_tokens(self.cache)
+        state.settled = True
+
+    def _result(self, state: _Prefilled, task: Any, task_ids: Sequence[int], row: Row,
+                task_prefill_s: float, decode_s: float, nbytes_end: int, rows: int = 1) -> TaskResult:
+        timing = {"prefill_s": round(state.prefill_s, 4), "task_prefill_s": round(task_prefill_s, 4),
+                  "decode_s": round(decode_s, 4)}
+        if rows > 1:  # decoded side by side: the suffix pass and decode time overlap the other rows'
+            timing["batch_rows"] = rows
         return TaskResult(
             task=task.name,
-            text=text,
-            token_ids=out,
-            finish_reason=finish,
-            tokens={"document": state.length, "task_prompt": len(task_ids), "generated": len(out)},
-            timing={"prefill_s": round(state.prefill_s, 4), "task_prefill_s": round(t1 - t0, 4), "decode_s": round(t2 - t1, 4)},
-            cache=self.cache_record(state.nbytes, nbytes_end, state.doc_cache),
+            text=self.loaded.tokenizer.decode(row.tokens),
+            token_ids=row.tokens,
+            finish_reason=row.finish,
+            tokens={"document": state.length, "task_prompt": len(task_ids), "generated": len(row.tokens)},
+            timing=timing,
+            cache=self.cache_record(state.nbytes, nbytes_end, tokens=state.length,
+                                    tokens_end=state.length + len(task_ids) + len(row.tokens),
+                                    exact=state.exact_tokens, doc_cache=state.doc_cache),
+            constrained=row.processor is not None,
         )
 
-    def cache_record(self, nbytes_prefill: int, nbytes_end: int | None = None, doc_cache: dict | None = None) -> dict:
+    def can_batch(self, state: _Prefilled) -> bool:
+        """Whether this document's tasks can decode as one batch of rows
+        (``run_batch``): a text model with plain RoPE positions, every layer's
+        cache one the shared-prefix attention reads, and attention routed
+        through the models' base function (``turboquant.integration``)."""
+        if self.loaded.kind != "text" or state.pos_delta is not None or self.backbone is None:
+            return False
+        from turboquant.shared_prefix import shareable
+
+        return shareable(self.loaded.model, self.cache)
+
+    def run_batch(self, state: _Prefilled, tasks: Sequence[Any], task_ids: Sequence[Sequence[int]], *,
+                  on_token: Callable[[int], None] | None = None) -> list[TaskResult]:
+        """All ``tasks`` as one batch of rows over the prefilled document.
+
+        Suffixes are left-padded to the longest, so one forward pass appends
+        them all; each decode step then reads the document cache once for
+        every row (``turboquant.shared_prefix``).  The document cache is not
+        written, so there is nothing to rewind.
+        """
+        from turboquant.integration import install
+        from turboquant.shared_prefix import SharedPrefixCache
+
+        install()
+        self.settle(state)
+        t0 = time.perf_counter()
+        S = max(len(ids) for ids in task_ids)
+        pads = [S - len(ids) for ids in task_ids]
+        ids = mx.array([[0] * p + list(t) for p, t in zip(pads, task_ids)], dtype=mx.int32)
+        rows_cache = [SharedPrefixCache(c, pads) for c in self.cache]
+        rows = [Row.for_task(t, self.seed, json_processor(t, self.loaded.tokenizer)) for t in tasks]
+        logits = self._forward(ids, None, None, logits=True, cache=rows_cache)
+        mx.eval(logits)
+        t1 = time.perf_counter()
+
+        def step(y: mx.array) -> mx.array:
+            return self._forward(y[:, None], None, None, logits=True, cache=rows_cache)
+
+        def keep(positions: list[int]) -> None:
+            for c in rows_cache:
+                c.keep(positions)
+
+        self.decode_forwards += _decode(rows, logits, step, self.eos_ids, keep=keep, on_token=on_token)
+        nbytes_end = self.cache_nbytes() + sum(c.nbytes for c in rows_cache)
+        return [self._result(state, t, ids_, r, t1 - t0, r.done_at - t1, nbytes_end, rows=len(rows))
+                for t, ids_, r in zip(tasks, task_ids, rows)]
+
+    def cache_record(self, nbytes_prefill: int, nbytes_end: int | None = None, *, tokens: int | None = None,
+                     tokens_end: int | None = None, exact: int | None = None, doc_cache: dict | None = None) -> dict:
+        """The record's ``cache`` field: scheme and widths, the bytes held after
+        prefill and at the end of the task, each with the fp16 bytes for the
+        same tokens (:mod:`pipeline.inference.kv_size`) so the saving is explicit."""
         spec = self.cache_spec
         rec = {
             "scheme": spec.kv_quant_scheme,
@@ -371,6 +466,16 @@ class Engine:
                        quantizer=spec.quantizer)
         if nbytes_end is not None:
             rec["nbytes_end_of_task"] = nbytes_end
+        geom = KVGeometry.from_config(getattr(self.loaded, "config", None))
+        if tokens is not None:
+            rec.update(figures(nbytes_prefill, tokens, geom))
+            if geom is not None:  # lets a reader (tqpipe report) draw the size formulas for this model
+                rec["geometry"] = dataclasses.asdict(geom)
+            if exact is not None:
+                rec["exact_tokens"] = exact
+        if tokens_end is not None and nbytes_end is not None and geom is not None:
+            rec["tokens_end_of_task"] = tokens_end
+            rec["fp16_nbytes_end_of_task"] = geom.fp16_nbytes(tokens_end)
         if doc_cache is not None:
             rec["doc_cache"] = doc_cache
         return rec
@@ -386,12 +491,24 @@ class Engine:
         info: dict | None = None,
     ) -> Iterator[TaskResult]:
         """Prefill ``prompt`` once (or load it: ``prepare``), then yield each
-        task's result as soon as it is done."""
+        task's result in task order: all at once after a batch of rows, else
+        each as soon as it is done."""
         reserve = max(len(prompt.task_ids[t.name]) + t.max_tokens for t in tasks)
         state = self.prepare(prompt, reserve=reserve, key=key, info=info, on_tokens=on_prefill)
         try:
+            if self.batch_tasks and len(tasks) > 1 and self.can_batch(state):
+                ids = [prompt.task_ids[t.name] for t in tasks]
+                yield from self.run_batch(state, tasks, ids, on_token=on_token)
+                return
             for task in tasks:
                 yield self.run_task(state, task, prompt.task_ids[task.name], on_token=on_token)
+        except RuntimeError as e:  # MLX's bare "no kernel" for affine on CUDA: say what it means
+            from turboquant.affine import explain_cuda_error
+
+            better = explain_cuda_error(e)
+            if better is e:
+                raise
+            raise better from e
         finally:
             self.cache = None
             mx.clear_cache()

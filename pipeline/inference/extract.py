@@ -29,10 +29,16 @@ _decoder = json.JSONDecoder()
 
 @dataclass(frozen=True)
 class ParsedOutput:
-    """Result of parsing one model answer: exactly one of value/error is meaningful."""
+    """Result of parsing one model answer: exactly one of value/error is meaningful.
+
+    ``repaired``: the text was not valid JSON and ``value`` is what json-repair
+    made of it (closed a cut-off string, dropped a trailing comma...);
+    ``repaired`` then holds what was wrong with the text as written.
+    """
 
     value: Any = None
     error: str | None = None
+    repaired: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -65,6 +71,45 @@ def parse_json_output(text: str) -> ParsedOutput:
     if first_error is None:
         first_error = "no JSON object or array in the model output"
     return ParsedOutput(error=first_error)
+
+
+_INT64 = 2**63
+
+
+def _storable(value: Any) -> Any:
+    """``value`` with integers beyond 64 bits as strings (digits kept exactly):
+    a record must always serialize, whatever number a model writes."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and not -_INT64 <= value < _INT64:
+        return str(value)
+    if isinstance(value, dict):
+        return {k: _storable(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_storable(v) for v in value]
+    return value
+
+
+def parse_or_repair(text: str) -> ParsedOutput:
+    """:func:`parse_json_output`, and when that fails json-repair's reading of
+    the text (an object or array only; the original parse error is kept if
+    repair finds none).  Constrained decoding makes repair rare: it is the
+    fallback for unconstrained answers and ones cut off by ``max_tokens``."""
+    parsed = parse_json_output(text)
+    if parsed.ok:
+        return ParsedOutput(value=_storable(parsed.value))
+    from json_repair import repair_json
+
+    start = min((i for i in (text.find("{"), text.find("[")) if i >= 0), default=-1)
+    if start < 0:
+        return parsed
+    try:
+        value = repair_json(text[start:], return_objects=True)
+    except Exception:  # json-repair raises assorted errors on hopeless input
+        return parsed
+    if isinstance(value, (dict, list)) and value:
+        return ParsedOutput(value=_storable(value), repaired=parsed.error)
+    return parsed
 
 
 def missing_fields(value: Any, fields: list[str] | None) -> list[str]:

@@ -136,7 +136,7 @@ def content_hash(ref: DocumentRef) -> str:
     """``sha256:<hex>`` of the file bytes (image sets: of each member's name, size and bytes).
 
     Streams in 1 MiB blocks, so it is cheap next to ingestion and safe on
-    huge files.  Raises :class:`IngestError` if a file cannot be read.
+    huge files.  Raises :class:`IngestError` (``transient``) if a file cannot be read.
     """
     h = hashlib.sha256()
     files = ref.members if ref.kind == "images" else (ref.source,)
@@ -148,7 +148,19 @@ def content_hash(ref: DocumentRef) -> str:
                 while block := fh.read(1 << 20):
                     h.update(block)
         except OSError as e:
-            raise IngestError(f, f"cannot read file: {e.strerror or e}") from None
+            raise IngestError(f, f"cannot read file: {e.strerror or e}", transient=True) from None
     return "sha256:" + h.hexdigest()
+
+
+def unreadable_digest(ref: DocumentRef) -> str:
+    """The stand-in content hash of a file that cannot be read, one per path,
+    so its error records have keys of their own (and the retry rule applies)."""
+    return "unreadable:" + hashlib.sha256(os.fsencode(ref.source)).hexdigest()[:16]
+
+
+def name_tag(ref: DocumentRef) -> str:
+    """A short stable tag of a document's name (its ``doc_id`` bytes), for the
+    record keys of a second name with the same content (:mod:`pipeline.run.plan`)."""
+    return hashlib.sha256(os.fsencode(ref.doc_id)).hexdigest()[:12]
 
 

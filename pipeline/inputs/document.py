@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Callable
 from pipeline.errors import IngestError, PageRangeError
 from pipeline.inputs.discover import DocumentRef
 from pipeline.schema.job import ContextSpec
-from pipeline.schema.pages import select_pages
+from pipeline.schema.pages import clip_pages
 
 if TYPE_CHECKING:
     import PIL.Image
@@ -42,6 +42,7 @@ class Document:
     pages: list[Page]  # selected pages that were read successfully
     skipped_pages: list[dict] = field(default_factory=list)  # {"page": n, "error": "..."}
     notes: list[str] = field(default_factory=list)
+    pages_clipped: str | None = None  # what of context.pages lay past the end, if anything
 
     def text(self, markers: bool = True) -> str:
         """All page texts, each after a ``[Page N]`` marker (numbers from the original file)."""
@@ -65,14 +66,16 @@ def read_pages(
     """Read the pages ``context.pages`` selects of a ``page_count``-page document.
 
     ``read_page(n)`` returns page ``n`` (1-based) and its notes, or raises;
-    each page gets ``1 + page_retries`` attempts.  Raises :class:`IngestError`
-    when the selection does not fit the document or too many pages failed.
+    each page gets ``1 + page_retries`` attempts.  A selection reaching past
+    the document is clipped (``Document.pages_clipped`` says what; the records
+    carry the ``pages_clipped`` warning).  Raises :class:`IngestError` when no
+    selected page exists or too many pages failed.
     """
     try:
-        numbers = select_pages(context.pages, page_count, document=ref.source)
+        numbers, clipped = clip_pages(context.pages, page_count, document=ref.source)
     except PageRangeError as e:
         raise IngestError(ref.source, f"pages {context.pages!r}: {e.problem}") from None
-    doc = Document(ref=ref, content_hash=digest, page_count=page_count, pages=[])
+    doc = Document(ref=ref, content_hash=digest, page_count=page_count, pages=[], pages_clipped=clipped)
     for n in numbers:
         page = _with_retries(lambda: read_page(n), n, context, doc)
         if page is not None:

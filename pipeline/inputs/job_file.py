@@ -69,6 +69,9 @@ _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
 def _check_filesystem(job: Job, shown: str, *, check_inputs: bool = True) -> None:
+    if check_inputs and not job.spec.inputs:
+        raise JobFileError(shown, "inputs", "must name at least 1 file, folder or glob "
+                                            "(an empty list is only for tqpipe watch)")
     for i, item in enumerate(job.spec.inputs):
         key = f"inputs[{i}]" if isinstance(item, str) else f"inputs[{i}].images"
         try:

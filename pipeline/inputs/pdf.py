@@ -18,6 +18,7 @@ from pipeline.errors import IngestError
 from pipeline.inputs.discover import DocumentRef
 from pipeline.inputs.document import Document, Page, read_pages
 from pipeline.schema.job import ContextSpec
+from pipeline.schema.paths import is_text_name
 
 #: A page with fewer stripped characters than this counts as "almost no text";
 #: scanned pages often carry a stray OCR'd page number or header.
@@ -41,7 +42,10 @@ def _read_pdf(ref: DocumentRef, context: ContextSpec, digest: str) -> Document:
 
     path = ref.source
     try:
-        pdf = pymupdf.open(path, filetype="pdf")
+        if is_text_name(path):
+            pdf = pymupdf.open(path, filetype="pdf")
+        else:  # MuPDF takes names as UTF-8 text only: hand it the bytes instead
+            pdf = pymupdf.open(stream=path.read_bytes(), filetype="pdf")
     except Exception as e:  # pymupdf raises FileDataError, RuntimeError, ...
         raise IngestError(path, f"not a readable PDF (corrupt or not a PDF): {e}") from None
     with pdf:

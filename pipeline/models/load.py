@@ -33,9 +33,11 @@ from typing import Any, Literal
 
 import mlx.core as mx
 
+from pipeline.errors import ModelLoadError
 from pipeline.models.builtin_vlm import ensure_tiny_vlm
+from pipeline.models.builtin_vlm import stamp as tiny_vlm_stamp
 from pipeline.models.smollm2 import ensure_smollm2
-from pipeline.models.store import models_home
+from pipeline.models.store import models_home, read_marker
 
 __all__ = [
     "BUILTIN_TEXT",
@@ -58,10 +60,6 @@ _EXAMPLE_VLM = "mlx-community/Qwen2-VL-2B-Instruct-4bit"
 VLM_INSTALL = "pip install 'tqpipe[vlm]'"
 
 
-class ModelLoadError(ValueError):
-    """A model could not be found or does not fit the job (message names it)."""
-
-
 @dataclass
 class LoadedModel:
     """A loaded model and what the engine needs to drive it."""
@@ -73,6 +71,7 @@ class LoadedModel:
     name: str  # recorded in results: the path / hub id, or a builtin:... name
     config: dict = field(repr=False)  # the model's config.json
     model_dir: Path | None = None  # where the weights were read (identifies them for document caches)
+    random_weights: bool = False  # seeded, untrained weights (the built-in tiny VLM): answers are noise
 
 
 def builtin_text_model_dir() -> Path:
@@ -249,7 +248,14 @@ def load_model(path: str | None, *, needs_images: bool = False) -> LoadedModel:
         name=path,
         config=config,
         model_dir=model_dir,
+        random_weights=has_random_weights(model_dir),
     )
+
+
+def has_random_weights(model_dir: Path) -> bool:
+    """True for a folder the tiny-VLM builder made (its marker says so), wherever it lives."""
+    marker = read_marker(Path(model_dir)) or {}
+    return (marker.get("stamp") or {}).get("builder") == tiny_vlm_stamp()["builder"]
 
 
 def main() -> None:

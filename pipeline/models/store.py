@@ -40,7 +40,8 @@ def models_home() -> Path:
     return tqpipe_home() / "models"
 
 
-def _read_marker(path: Path) -> dict | None:
+def read_marker(path: Path) -> dict | None:
+    """The build marker of ``path`` (``{"stamp": ..., "files": ...}``), None if absent or unreadable."""
     try:
         return json.loads((path / MARKER).read_text())
     except (OSError, ValueError):
@@ -49,7 +50,7 @@ def _read_marker(path: Path) -> dict | None:
 
 def is_valid(path: Path, stamp: dict[str, Any]) -> bool:
     """True if ``path`` holds a complete build whose marker matches ``stamp``."""
-    marker = _read_marker(path)
+    marker = read_marker(path)
     if marker is None or marker.get("stamp") != stamp:
         return False
     files = marker.get("files")
@@ -73,6 +74,17 @@ def _write_marker(path: Path, stamp: dict[str, Any]) -> None:
     (path / MARKER).write_text(json.dumps({"stamp": stamp, "files": files}, indent=1))
 
 
+def _remove_leftovers(target: Path) -> None:
+    """Delete build and stale folders a killed builder left next to ``target``.
+
+    Only called under the build lock, and every builder holds that lock for
+    as long as its folders exist, so whatever is there now is orphaned.
+    """
+    for pattern in (f".{target.name}.build-*", f".{target.name}.stale-*"):
+        for leftover in target.parent.glob(pattern):
+            shutil.rmtree(leftover, ignore_errors=True)
+
+
 def cached_build(
     target: Path, stamp: dict[str, Any], build: Callable[[Path], None]
 ) -> Path:
@@ -88,6 +100,7 @@ def cached_build(
     with FileLock(str(target.parent / f".{target.name}.lock")):
         if is_valid(target, stamp):  # another process built it while we waited
             return target
+        _remove_leftovers(target)
         tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.build-", dir=target.parent))
         try:
             os.chmod(tmp, 0o755)  # mkdtemp makes it private; others read the cache

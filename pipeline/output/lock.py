@@ -25,7 +25,8 @@ from typing import Any
 import orjson
 from filelock import FileLock, Timeout
 
-from pipeline.errors import LockHeldError, TqpipeError
+from pipeline.errors import CheckpointError, LockHeldError, TqpipeError
+from pipeline.schema.paths import text_safe
 from pipeline.schema.record import utc_now
 
 logger = logging.getLogger(__name__)
@@ -57,15 +58,15 @@ class JobLock:
         return self._lock.is_locked
 
     def acquire(self) -> "JobLock":
-        self.path.parent.mkdir(parents=True, exist_ok=True)
         if self._lock.is_locked:
             raise TqpipeError(f"{self.path}: JobLock is not reentrant; already held by this object")
         try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
             self._lock.acquire()
         except Timeout:
             raise LockHeldError(self.path, self._describe_holder()) from None
-        except OSError as e:
-            raise TqpipeError(f"{self.path}: cannot create lock file: {e.strerror or e}") from e
+        except OSError as e:  # read-only or missing folder: the run cannot proceed (exit 4)
+            raise CheckpointError(f"{self.path}: cannot create lock file: {e.strerror or e}") from e
         self._write_owner()
         logger.debug("%s: acquired", self.path)
         return self
@@ -92,13 +93,14 @@ class JobLock:
             "host": socket.gethostname(),
             "started_at": utc_now(),
             "job": self.job,
-            "argv": sys.argv,
+            "argv": [text_safe(a) for a in sys.argv],  # a file name argument may not be UTF-8
         }
         tmp = self.owner_path.with_name(f"{self.owner_path.name}.{os.getpid()}.tmp")
         try:
             tmp.write_bytes(orjson.dumps(owner))
             os.replace(tmp, self.owner_path)  # readers never see a half-written sidecar
-        except OSError as e:
+        except (OSError, orjson.JSONEncodeError) as e:
+            tmp.unlink(missing_ok=True)  # a full disk must not leave an empty .tmp behind
             logger.warning("%s: could not write lock owner info: %s", self.owner_path, e)
 
     def _describe_holder(self) -> str | None:

@@ -35,18 +35,28 @@ from typing import Any
 import orjson
 
 from pipeline.errors import CheckpointError
+from pipeline.schema.paths import json_safe, path_from_b64, shown
 from pipeline.schema.record import json_default
 
 logger = logging.getLogger(__name__)
 
 _DUMP_OPTIONS = orjson.OPT_NON_STR_KEYS  # page numbers as dict keys
 _TAIL_BLOCK = 1 << 16
+#: A key whose error records are transient (I/O, memory: ``error.transient``)
+#: is retried by a plain rerun until it has this many error records; after
+#: that only ``--retry-failed`` runs it again.
+TRANSIENT_ATTEMPTS = 3
 
 
 def dumps_line(record: dict) -> bytes:
     """One record as one JSON line.  orjson escapes newlines inside strings,
-    so the only b"\\n" is the terminator."""
-    return orjson.dumps(record, default=json_default, option=_DUMP_OPTIONS) + b"\n"
+    so the only b"\\n" is the terminator.  A string that is not valid UTF-8
+    (an undecodable file name inside a message) is written with ``\\xNN``
+    escapes rather than failing the record (:mod:`pipeline.schema.paths`)."""
+    try:
+        return orjson.dumps(record, default=json_default, option=_DUMP_OPTIONS) + b"\n"
+    except orjson.JSONEncodeError:
+        return orjson.dumps(json_safe(record), default=json_default, option=_DUMP_OPTIONS) + b"\n"
 
 
 def _fsync_dir(path: Path) -> None:
@@ -114,6 +124,66 @@ def iter_records(path: Path) -> Iterator[dict]:
             yield record
 
 
+class KeyIndex:
+    """What the results file says about each key: ok (and warned), or failed
+    (how often, transient or not).  Shared by :class:`ResultLog` (the skip
+    rule) and :func:`summarize` (``tqpipe status``), so both count alike."""
+
+    def __init__(self) -> None:
+        self._status: dict[str, str] = {}  # key -> "ok" once any ok record exists, else "error"
+        self._latest_ok_warnings: dict[str, tuple[str, ...]] = {}  # key -> warnings of its latest ok record
+        self._errors: dict[str, tuple[int, bool]] = {}  # failed key -> (error records, last one transient)
+        self._sources: dict[str, tuple[str, str | None]] = {}  # key -> (source, source_b64) of its last record
+
+    def note(self, record: dict) -> None:
+        """Account for one record, in file order."""
+        key, status = record["key"], record.get("status")
+        if isinstance(record.get("source"), str):
+            self._sources[key] = (record["source"], record.get("source_b64"))
+        if status == "ok":
+            self._status[key] = "ok"
+            self._latest_ok_warnings[key] = tuple(record.get("warnings") or ())
+        elif self._status.get(key) != "ok":
+            self._status[key] = "error"
+            n, _ = self._errors.get(key, (0, False))
+            error = record.get("error")
+            self._errors[key] = (n + 1, isinstance(error, dict) and bool(error.get("transient")))
+
+    def is_done(self, key: str, *, include_failed: bool = True) -> bool:
+        """True if ``key`` has an ok record, or an error record and
+        ``include_failed`` (pass False to retry failed ones).  A transient
+        error (I/O, memory) with fewer than :data:`TRANSIENT_ATTEMPTS` error
+        records is never done: a plain rerun retries it."""
+        status = self._status.get(key)
+        return status == "ok" or (status == "error" and include_failed and not self.retryable(key))
+
+    def retryable(self, key: str) -> bool:
+        """True for a failed key whose last error was transient and that has attempts left."""
+        n, transient = self._errors.get(key, (0, False))
+        return self._status.get(key) == "error" and transient and n < TRANSIENT_ATTEMPTS
+
+    def source(self, key: str) -> Path | None:
+        """The file ``key``'s last record was made from (its raw bytes when recorded), or None."""
+        found = self._sources.get(key)
+        if found is None:
+            return None
+        text, raw = found
+        return path_from_b64(raw) if raw else Path(text)
+
+    def warnings(self, key: str) -> tuple[str, ...]:
+        """The quality warnings of ``key``'s counting ok record (empty if none, or not ok)."""
+        return self._latest_ok_warnings.get(key, ()) if self._status.get(key) == "ok" else ()
+
+    @property
+    def done_keys(self) -> set[str]:
+        return {k for k, s in self._status.items() if s == "ok"}
+
+    @property
+    def failed_keys(self) -> set[str]:
+        """Keys whose every record is an error (a later ok record clears it)."""
+        return {k for k, s in self._status.items() if s != "ok"}
+
+
 class ResultLog:
     """Append-only JSONL results with durable appends and a done-key index.
 
@@ -126,9 +196,12 @@ class ResultLog:
 
     def __init__(self, path: Path):
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise CheckpointError(f"{shown(self.path.parent)}: cannot create the results folder: {e.strerror or e}") from e
         self._fd: int | None = None
-        self._status: dict[str, str] = {}  # key -> "ok" once any ok record exists, else last status
+        self.index = KeyIndex()
         self._broken: str | None = None
 
     # -- lifecycle -------------------------------------------------------
@@ -138,7 +211,7 @@ class ResultLog:
             return self
         created = not self.path.exists()
         self._repair_tail()
-        self._status.clear()
+        self.index = KeyIndex()
         for record in iter_records(self.path):
             self._note(record)
         try:
@@ -235,7 +308,8 @@ class ResultLog:
         try:
             line = dumps_line(record)
         except (TypeError, orjson.JSONEncodeError) as e:
-            raise CheckpointError(f"{self.path}: record {key} cannot be serialized: {e}") from e
+            raise CheckpointError(
+                f"{self.path}: record {key} of {shown(record.get('source', '?'))} cannot be serialized: {e}") from e
         fd = self._fd
         before = os.fstat(fd).st_size
         try:
@@ -268,24 +342,19 @@ class ResultLog:
 
     # -- index -----------------------------------------------------------
     def _note(self, record: dict) -> None:
-        key, status = record["key"], record.get("status")
-        if self._status.get(key) != "ok":
-            self._status[key] = "ok" if status == "ok" else "error"
+        self.index.note(record)
 
     def is_done(self, key: str, *, include_failed: bool = True) -> bool:
-        """True if ``key`` has an ok record, or an error record and
-        ``include_failed`` (pass False to retry failed ones)."""
-        status = self._status.get(key)
-        return status == "ok" or (status == "error" and include_failed)
+        """See :meth:`KeyIndex.is_done`."""
+        return self.index.is_done(key, include_failed=include_failed)
 
     @property
     def done_keys(self) -> set[str]:
-        return {k for k, s in self._status.items() if s == "ok"}
+        return self.index.done_keys
 
     @property
     def failed_keys(self) -> set[str]:
-        """Keys whose every record is an error (a later ok record clears it)."""
-        return {k for k, s in self._status.items() if s != "ok"}
+        return self.index.failed_keys
 
     def records(self) -> Iterator[dict]:
         """Every intact record in file order (retried keys appear more than once)."""
@@ -302,27 +371,50 @@ def latest_records(path: Path) -> dict[str, dict]:
     return latest
 
 
-def summarize(path: Path, expected_keys: set[str]) -> dict:
-    """Counts for ``tqpipe status``: of ``expected_keys`` (every document x
-    task under the current config), how many are done, failed, pending;
-    plus ``stale``: keys in the file the current job no longer produces
-    (an edited task or a removed document).  Read-only, safe during a run."""
-    status: dict[str, str] = {}
+def read_index(path: Path) -> tuple[KeyIndex, int]:
+    """The :class:`KeyIndex` of a results file and its number of records, read-only."""
+    index = KeyIndex()
     records = 0
     for record in iter_records(path):
         records += 1
-        key = record["key"]
-        if status.get(key) != "ok":
-            status[key] = "ok" if record.get("status") == "ok" else "error"
+        index.note(record)
+    return index, records
+
+
+def summarize(path: Path, expected_keys: set[str], *, strict: bool = False,
+              index: tuple[KeyIndex, int] | None = None) -> dict:
+    """Counts for ``tqpipe status``: of ``expected_keys`` (every document x
+    task under the current config), how many are done, failed, pending;
+    ``warned``: done keys whose record carries quality warnings (per code in
+    ``warnings``), ``retryable``: failed keys a plain rerun retries, and
+    ``stale``: keys in the file the current job no longer produces (an
+    edited task or a removed document).  ``failing`` is what the exit code
+    counts: failed, plus warned under ``strict`` - the same rule as
+    ``tqpipe run`` (:attr:`pipeline.run.runner.RunSummary.exit_code`).
+    ``index`` is :func:`read_index` of ``path`` if the caller has it already.
+    Read-only, safe during a run."""
+    index, records = index or read_index(path)
     expected = set(expected_keys)
-    done = sum(1 for k in expected if status.get(k) == "ok")
-    failed = sum(1 for k in expected if status.get(k) == "error")
+    done_keys, failed_keys = index.done_keys, index.failed_keys
+    done = len(expected & done_keys)
+    failed = len(expected & failed_keys)
+    codes: dict[str, int] = {}
+    warned = 0
+    for k in expected:
+        if found := index.warnings(k):
+            warned += 1
+            for code in found:
+                codes[code] = codes.get(code, 0) + 1
     return {
         "path": str(path),
         "expected": len(expected),
         "done": done,
         "failed": failed,
         "pending": len(expected) - done - failed,
-        "stale": len(set(status) - expected),
+        "warned": warned,
+        "warnings": dict(sorted(codes.items())),
+        "retryable": sum(1 for k in expected if index.retryable(k)),
+        "failing": failed + (warned if strict else 0),
+        "stale": len((done_keys | failed_keys) - expected),
         "records": records,
     }

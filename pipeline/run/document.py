@@ -11,15 +11,16 @@ import logging
 import time
 from typing import Callable, Iterator, Sequence
 
-from pipeline.errors import IngestError, TqpipeError
+from pipeline.errors import IngestError, RunError, TqpipeError
 from pipeline.inference.engines import Engines
 from pipeline.inference.memory import reset_peak_memory
 from pipeline.inference.prompt import DocumentPrompt, PromptBuilder, effective_context
-from pipeline.inputs.discover import DocumentRef, content_hash
+from pipeline.inputs.discover import DocumentRef, content_hash, unreadable_digest
 from pipeline.inputs.ingest import ingest
 from pipeline.output.render import context_field, error_records, ok_record
 from pipeline.run.plan import task_keys
 from pipeline.schema.job import Job, TaskSpec
+from pipeline.schema.paths import shown
 from pipeline.schema.record import error_info
 
 logger = logging.getLogger(__name__)
@@ -48,10 +49,10 @@ def process_document(
     names = [t.name for t in tasks]
     try:
         digest = digest or content_hash(ref)
-    except OSError as e:
-        digest = "sha256:unreadable"
+    except IngestError as e:
+        digest = unreadable_digest(ref)
         keys = task_keys(job, digest, tasks)
-        yield from error_records(job, ref, digest, names, keys, error_info(IngestError(ref.source, str(e)), stage="ingest"))
+        yield from error_records(job, ref, digest, names, keys, error_info(e, stage="ingest"))
         return
     keys = task_keys(job, digest, tasks)
     reset_peak_memory()
@@ -60,7 +61,7 @@ def process_document(
         doc = ingest(ref, job.spec.context)
     except (IngestError, OSError) as e:
         yield from error_records(job, ref, digest, names, keys, error_info(e, stage="ingest"))
-        return
+        return  # an OSError here (EIO, vanished) is marked transient: a plain rerun retries it
     ingest_s = time.perf_counter() - t0
     pending = list(tasks)
     stage, model_name, prompt, config = "model", None, None, None
@@ -80,13 +81,13 @@ def process_document(
         for result in engine.iter_process(prompt, tasks, on_prefill=on_prefill, on_token=on_token, key=key, info=info):
             task = pending.pop(0)
             yield ok_record(job, ref, digest, task, keys[task.name], result, prompt, doc, model_name, loaded.config,
-                            ingest_s)
+                            ingest_s, random_weights=getattr(loaded, "random_weights", False))
             stage = "decode"
-    except (KeyboardInterrupt, SystemExit):
-        raise
+    except (KeyboardInterrupt, SystemExit, RunError):
+        raise  # a model that cannot load is no document's fault: no records, the run stops (exit 4)
     except Exception as e:  # one bad document must not stop the job
         if not isinstance(e, TqpipeError):
-            logger.exception("%s: %s failed", ref.doc_id, stage)
+            logger.exception("%s: %s failed", shown(ref.doc_id), stage)
         yield from error_records(
             job, ref, digest, [t.name for t in pending], keys, error_info(e, stage=stage),
             model=model_name,

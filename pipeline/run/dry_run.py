@@ -9,11 +9,13 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
-from pipeline.errors import ContextOverflowError, IngestError, TqpipeError
+from pipeline.errors import ContextOverflowError, IngestError, RunError, TqpipeError
+from pipeline.inference.kv_size import KVGeometry, cache_nbytes_formula
 from pipeline.inference.prompt import PromptBuilder, effective_context
 from pipeline.inputs.discover import DocumentRef
 from pipeline.inputs.ingest import ingest
 from pipeline.schema.job import Job
+from pipeline.schema.paths import shown
 
 
 class Tokenizers:
@@ -58,23 +60,32 @@ def tokenizer_only(path: str | None, images: bool) -> PromptBuilder:
 
 def dry_run_document(tokenizers: Tokenizers, job: Job, ref: DocumentRef) -> dict:
     """Ingest and tokenize one document; say whether it fits the context limit."""
-    row: dict = {"doc_id": ref.doc_id, "source": str(ref.source)}
+    row: dict = {"doc_id": shown(ref.doc_id), "source": shown(ref.source)}
     try:
         doc = ingest(ref, job.spec.context)
     except (IngestError, OSError) as e:
         return {**row, "error": str(e)}
     row.update(pages=len(doc.pages), page_count=doc.page_count, skipped_pages=len(doc.skipped_pages),
                images=sum(p.image is not None for p in doc.pages))
+    if doc.pages_clipped:
+        row["clipped"] = True
     try:
         builder = tokenizers.get(doc.needs_images)
         context = effective_context(job.spec.context, getattr(builder, "model_config", None))
         prompt = builder.build(doc, context, job.spec.tasks)
     except ContextOverflowError as e:
         return {**row, "fits": False, "error": str(e)}
+    except RunError:
+        raise  # the model (its tokenizer) cannot be loaded: one line for the run, exit 4
     except TqpipeError as e:
         return {**row, "error": str(e)}
     trunc = prompt.truncation
     row.update(tokens=prompt.n_tokens + trunc.get("tokens_dropped", 0), fits=not trunc["truncated"])
+    geom = KVGeometry.from_config(getattr(builder, "model_config", None))
+    if geom is not None:  # what the cache will hold for the prompt actually prefilled
+        row["kv"] = {"scheme": job.spec.cache.kv_quant_scheme,
+                     "nbytes": cache_nbytes_formula(geom, job.spec.cache, prompt.n_tokens, exact_bytes=_exact_bytes()),
+                     "fp16_nbytes": geom.fp16_nbytes(prompt.n_tokens)}
     if trunc["truncated"]:
         row["truncate"] = {k: trunc[k] for k in ("tokens_dropped", "pages_dropped", "partial_page")}
     return row
@@ -100,8 +111,38 @@ def dry_line(row: dict) -> str:
     head = f"{row['doc_id']}: pages={row['pages']}/{row['page_count']} images={row['images']}"
     if "tokens" not in row:
         return f"{head} fits=no ({row['error']})" if row.get("fits") is False else f"{head} ERROR {row['error']}"
-    line = f"{head} tokens={row['tokens']} fits={'yes' if row['fits'] else 'no'}"
+    line = f"{head} tokens={row['tokens']}"
+    if "kv" in row:
+        kv = row["kv"]
+        line += (f" kv={kv['nbytes'] / 2**20:.1f}MiB ({kv['scheme']}; fp16 {kv['fp16_nbytes'] / 2**20:.1f}MiB,"
+                 f" {kv['nbytes'] / max(kv['fp16_nbytes'], 1):.2f}x)")
+    line += f" fits={'yes' if row['fits'] else 'no'}"
     if "truncate" in row:
         t = row["truncate"]
-        line += f" (truncate would drop {t['tokens_dropped']} tokens, pages {t['pages_dropped']})"
+        line += f" (truncate would drop {t['tokens_dropped']} tokens, pages {page_ranges(t['pages_dropped'])})"
+    if row.get("clipped"):
+        line += " (pages clipped to the document)"
     return line
+
+
+def _exact_bytes() -> int:
+    """Bytes per exact-window element: float32 on the CPU path (the model runs in
+    float32 there, see :func:`pipeline.models.load.prepare_for_device`), else fp16."""
+    import mlx.core as mx
+
+    return 4 if mx.default_device() == mx.cpu else 2
+
+
+def page_ranges(pages: Sequence[int], *, limit: int = 8) -> str:
+    """``[20, 21, ..., 2000]`` as ``20-2000``: one short line even for a 2,000-page document;
+    past ``limit`` runs the rest is counted, not listed."""
+    runs: list[list[int]] = []
+    for p in pages:
+        if runs and p == runs[-1][1] + 1:
+            runs[-1][1] = p
+        else:
+            runs.append([p, p])
+    text = ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs[:limit])
+    if len(runs) > limit:
+        text += f",... ({sum(b - a + 1 for a, b in runs[limit:])} more)"
+    return text or "none"

@@ -7,16 +7,20 @@ hash changes exactly when the file's bytes do, the config hash exactly when
 something that shapes that task's output does (its own fields, the model
 setting, the cache and context specs, ``--pages`` included).  A key already
 in the results file is done; an error record counts as done unless the run
-retries failures.
+retries failures or the error was transient (I/O, memory) and has attempts
+left (:data:`~pipeline.output.results_log.TRANSIENT_ATTEMPTS`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Iterable, Sequence
 
-from pipeline.inputs.discover import DocumentRef, content_hash
-from pipeline.output.results_log import ResultLog
+from pipeline.errors import IngestError
+from pipeline.inputs.discover import DocumentRef, content_hash, name_tag, unreadable_digest
+from pipeline.output.results_log import KeyIndex, ResultLog
 from pipeline.schema.job import Job, TaskSpec
 from pipeline.schema.record import record_key, task_config_hash
 
@@ -37,7 +41,7 @@ def task_keys(job: Job, digest: str, tasks: Sequence[TaskSpec] | None = None) ->
     spec = job.spec
     out = {}
     for task in tasks if tasks is not None else spec.tasks:
-        chash = task_config_hash(task, model=model_setting(job), cache=spec.cache, context=spec.context)
+        chash = task_config_hash(task.hash_fields(), model=model_setting(job), cache=spec.cache, context=spec.context)
         out[task.name] = record_key(digest, task.name, chash)
     return out
 
@@ -51,10 +55,15 @@ def config_hash_of(key: str) -> str:
 class DocumentWork:
     """One document's share of a run.
 
-    ``digest`` is None when the file could not be read: then every task is
-    to do and ``keys`` is empty (processing records the read error).
-    ``failed_before`` counts the tasks skipped because an earlier run
-    recorded them as failed; they still count for the exit code.
+    ``digest`` is None when the file could not be read: then ``keys`` are
+    those of :func:`~pipeline.inputs.discover.unreadable_digest` (processing
+    records the read error).  ``failed_before`` counts the tasks skipped
+    because an earlier run recorded them as failed, ``warned_before`` those
+    recorded ok with quality warnings; both still count for the exit code.
+    ``same_as`` is set for a second name of content already seen in this
+    run: its tasks are answered by copying the first name's records
+    (``same_content_as``), which share that one prefill; ``original_keys``
+    are the first name's keys.
     """
 
     ref: DocumentRef
@@ -62,39 +71,78 @@ class DocumentWork:
     tasks: list[TaskSpec]
     keys: dict[str, str]
     failed_before: int = 0
+    warned_before: tuple[tuple[str, ...], ...] = ()  # the warnings of each such task
+    same_as: DocumentRef | None = None
+    original_keys: dict[str, str] = field(default_factory=dict)
 
 
 class WorkPlan:
-    """The keys and the skip rule of one job; ``retry_failed`` redoes error records."""
+    """The keys and the skip rule of one job; ``retry_failed`` redoes error records.
+
+    Identical bytes under two names give two sets of records: the first
+    name's keys ``<hash>/<task>/<config>``, the second name's
+    ``<hash>@<name tag>/<task>/<config>``.  The first name is the one the
+    results file already holds that content under, if that file still
+    exists (so renaming a file reruns nothing), else the first in discovery
+    order; one plan per run (or per ``status``) remembers that order.
+    """
 
     def __init__(self, job: Job, *, retry_failed: bool = False):
         self.job = job
         self.retry_failed = retry_failed
+        self._first: dict[str, DocumentRef] = {}
+
+    def _keys(self, ref: DocumentRef, index: KeyIndex | None
+              ) -> tuple[str | None, dict[str, str], DocumentRef | None, dict[str, str]]:
+        try:
+            digest = content_hash(ref)
+        except IngestError:
+            return None, task_keys(self.job, unreadable_digest(ref)), None, {}
+        keys = task_keys(self.job, digest)
+        first = self._recorded_under(ref, keys, index) or self._first.setdefault(digest, ref)
+        if first.source == ref.source and first.members == ref.members:
+            return digest, keys, None, {}
+        return digest, task_keys(self.job, f"{digest}@{name_tag(ref)}"), first, keys
+
+    def _recorded_under(self, ref: DocumentRef, keys: dict[str, str], index: KeyIndex | None) -> DocumentRef | None:
+        """The other document the results already hold this content under, if it
+        still exists (a renamed file's old name does not: then it is ours)."""
+        if index is None:
+            return None
+        for key in keys.values():
+            source = index.source(key)
+            if source is None:
+                continue
+            if os.fsencode(source) == os.fsencode(ref.source) or not source.exists():
+                return None
+            doc_id = Path(os.path.relpath(source, self.job.base_dir)).as_posix()
+            return DocumentRef(source=source, kind=ref.kind, doc_id=doc_id)
+        return None
 
     def document(self, ref: DocumentRef, log: ResultLog) -> DocumentWork:
         """What is left of ``ref`` given the results in ``log`` (hashes the file, reads no pages)."""
         tasks = list(self.job.spec.tasks)
-        try:
-            digest = content_hash(ref)
-        except OSError:
-            return DocumentWork(ref, None, tasks, {})
-        keys = task_keys(self.job, digest)
+        digest, keys, same_as, original = self._keys(ref, log.index)
         todo = [t for t in tasks if not log.is_done(keys[t.name], include_failed=not self.retry_failed)]
         todo_names = {t.name for t in todo}
-        failed_before = 0
-        if not self.retry_failed:
-            failed_before = sum(
-                1 for t in tasks if t.name not in todo_names and not log.is_done(keys[t.name], include_failed=False)
-            )
-        return DocumentWork(ref, digest, todo, keys, failed_before)
+        failed_before, warned_before = 0, []
+        for t in tasks:
+            if t.name in todo_names:
+                continue
+            if not log.is_done(keys[t.name], include_failed=False):
+                failed_before += 1
+            elif found := log.index.warnings(keys[t.name]):
+                warned_before.append(found)
+        return DocumentWork(ref, digest, todo, keys, failed_before, tuple(warned_before), same_as, original)
 
-    def expected_keys(self, refs: Iterable[DocumentRef]) -> tuple[set[str], int]:
-        """Every key the job produces for ``refs``, and how many files could not be read."""
+    def expected_keys(self, refs: Iterable[DocumentRef], index: KeyIndex | None = None) -> tuple[set[str], int]:
+        """Every key the job produces for ``refs`` (``index``: what the results
+        file holds, which decides second names as in a run), and how many
+        files could not be read."""
         expected: set[str] = set()
         unreadable = 0
         for ref in refs:
-            try:
-                expected.update(task_keys(self.job, content_hash(ref)).values())
-            except OSError:
-                unreadable += 1
+            digest, keys, _, _ = self._keys(ref, index)
+            unreadable += digest is None
+            expected.update(keys.values())
         return expected, unreadable

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator
 
 from pipeline.run.dispatch import DispatchStats, Dispatcher, WorkItem, first_line
+from pipeline.schema.paths import shown, text_safe
 
 logger = logging.getLogger(__name__)
 
@@ -71,11 +72,16 @@ class DocumentWorker:
         *,
         setup: Callable[[Any], Any] | None = None,
         process: Callable[[Any, Any, Any], Iterable[dict]] | None = None,
+        device: str | None = None,
     ):
         import socket
 
+        if device is not None:  # before any model loads: the GPU Ray gave us, or the CPU
+            from pipeline.run.ray_resources import pin_device
+
+            pin_device(device)
         self.job = job
-        self.where = {"host": socket.gethostname(), "pid": os.getpid()}
+        self.where = {"host": socket.gethostname(), "pid": os.getpid(), "device": device or "default"}
         self._process = process or _process_document
         self.state = (setup or _load_engines)(job)
 
@@ -151,7 +157,10 @@ class RayRun:
         spec = job.spec.engine
         self.job = job
         self.address = address if address is not None else spec.address
-        self.workers = workers if workers is not None else spec.workers
+        self.workers_asked = workers if workers is not None else spec.workers  # None: one per GPU
+        self.gpus_per_worker = spec.gpus_per_worker
+        self.plan: Any = None  # ray_resources.ActorPlan, once connected
+        self.workers = self.workers_asked or 0
         self.max_retries = spec.max_retries
         self.per_worker = spec.max_in_flight_per_worker
         self.retry_failed = retry_failed
@@ -173,17 +182,23 @@ class RayRun:
         from pipeline.run.runner import RunSummary
 
         refs = list(discover(self.job) if self.refs is None else self.refs)
-        summary = RunSummary(documents=len(refs))
+        summary = RunSummary(documents=len(refs), strict=self.job.spec.strict)
         job = self.job
         with JobLock(job.output_path, job=job.spec.name), ResultLog(job.output_path).open() as log:
             bar = make_progress(len(refs), "documents", "doc") if self.progress else None
+            from pipeline.run.runner import SameContent
+
+            self._same: list = []  # second names of one content: copied once their originals are written
             work = self._work(refs, log, summary, bar)
             first = next(work, None)
             started, dispatcher = False, None
             try:
                 if first is None:  # all done already: like the local runner, load no model
+                    self._copy_same(SameContent(log), summary, bar)
                     return self._finish(summary)
-                started = _connect(self.address, self.workers * self.num_cpus)
+                started = _connect(self.address, self.workers_asked, self.num_cpus)
+                self.plan = _plan(self.address, self.workers_asked, self.gpus_per_worker, self.num_cpus)
+                self.workers = self.plan.workers
                 dispatcher = Dispatcher(
                     self._actor_factory(), workers=self.workers,
                     max_in_flight_per_worker=self.per_worker, max_retries=self.max_retries,
@@ -194,14 +209,21 @@ class RayRun:
                 dispatcher.run(
                     itertools.chain([first], work),
                     on_result=writer.records,
-                    on_error=lambda item, exc: writer.failure(item, _error(exc, "worker")),
+                    on_error=writer.error,
                     on_give_up=lambda item: writer.failure(item, _died(item)),
                 )
+                self._copy_same(SameContent(log), summary, bar)
             finally:
                 if bar is not None:
                     bar.close()
                 _release(dispatcher, started)
         return self._finish(summary)
+
+    def _copy_same(self, originals: Any, summary: Any, bar: Any) -> None:
+        for work in self._same:
+            originals.write(self.job, work, summary)
+            if bar is not None:
+                bar.update(1)
 
     def _finish(self, summary: Any) -> Any:
         logger.info(
@@ -213,11 +235,21 @@ class RayRun:
         return summary
 
     def _actor_factory(self) -> Callable[[int], Any]:
+        """Actor ``index`` with its plan's resources (a restart keeps its index)."""
         import ray
 
-        remote = ray.remote(num_cpus=self.num_cpus, max_restarts=0)(DocumentWorker)
+        plan = self.plan
+        kinds = {}  # one remote class per resource shape
         job = ray.put(self.job)  # once, not once per (re)started actor
-        return lambda index: remote.remote(job, setup=self.setup, process=self.process)
+
+        def make(index: int) -> Any:
+            res = plan.resources(index)
+            key = (res["num_cpus"], res["num_gpus"])
+            if key not in kinds:
+                kinds[key] = ray.remote(max_restarts=0, **res)(DocumentWorker)
+            return kinds[key].remote(job, setup=self.setup, process=self.process, device=plan.device(index))
+
+        return make
 
     def _start(self, dispatcher: Dispatcher) -> None:
         """Start the actors and wait until each has loaded its model, so a
@@ -226,7 +258,7 @@ class RayRun:
 
         import ray
 
-        from pipeline.errors import TqpipeError
+        from pipeline.errors import RunError, TqpipeError
 
         t0 = time.perf_counter()
         dispatcher.start()
@@ -235,14 +267,14 @@ class RayRun:
         except ray.exceptions.GetTimeoutError:
             raise TqpipeError(
                 f"Ray: {self.workers} workers not ready after {self.ready_timeout_s:.0f} s "
-                f"(cluster {self.address or 'local'}; each needs {self.num_cpus} CPU)"
+                f"(cluster {self.address or 'local'}; {self.plan.describe()}, {self.num_cpus:g} CPU each)"
             ) from None
         except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as e:
             # The creation task's traceback ends with the real error ("ModelLoadError: ...").
             cause = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
-            raise TqpipeError(f"Ray: a worker failed to start (loading the model): {cause}") from None
+            raise RunError(f"Ray: a worker failed to start (loading the model): {cause}") from None
         self.ready_s = time.perf_counter() - t0
-        logger.info("Ray: %d workers ready in %.1f s on %s", len(where), self.ready_s,
+        logger.info("Ray: %d workers (%s) ready in %.1f s on %s", len(where), self.plan.describe(), self.ready_s,
                     ", ".join(sorted({w["host"] for w in where})))
 
     def _work(self, refs: list, log: Any, summary: Any, bar: Any) -> Iterator[WorkItem]:
@@ -253,11 +285,14 @@ class RayRun:
         plan = WorkPlan(self.job, retry_failed=self.retry_failed)
         for ref in refs:
             work = plan.document(ref, log)
-            summary.failed += work.failed_before
+            summary.count_before(work)
             if not work.tasks:
                 summary.skipped += 1
                 if bar is not None:
                     bar.update(1)
+                continue
+            if work.same_as is not None:
+                self._same.append(work)
                 continue
             names = tuple(t.name for t in work.tasks)
             keys = tuple(work.keys[n] for n in names if n in work.keys)
@@ -287,28 +322,35 @@ class _Writer:
                 logger.warning("%s: record %s already written; not writing it twice", item.doc_id, key)
                 continue
             self.log.append(record)
-            self.summary.records_written += 1
-            if record["status"] == "ok":
-                self.summary.done += 1
-            else:
-                self.summary.failed += 1
+            if self.summary.count(record):
                 failed = True
-                logger.warning("%s [%s]: %s", item.doc_id, record["task"], record["error"]["message"])
+                logger.warning("%s [%s]: %s", shown(item.doc_id), record["task"], record["error"]["message"])
         self._finished(item, failed)
+
+    def error(self, item: WorkItem, exc: BaseException) -> None:
+        """A document's processing raised on the worker: its error records, unless
+        the run itself cannot go on (a model that does not load), which stops the run."""
+        from pipeline.errors import RunError
+
+        if isinstance(exc, RunError):
+            raise exc
+        self.failure(item, _error(exc, "worker"))
 
     def failure(self, item: WorkItem, error: dict) -> None:
         """Error records for every pending task of a document the workers could not finish."""
         from pipeline.output.render import error_records
         from pipeline.run.plan import task_keys
 
+        from pipeline.inputs.discover import unreadable_digest
+
         task: DocumentTask = item.payload
-        digest = task.digest or "sha256:unreadable"
+        digest = task.digest or unreadable_digest(task.ref)
         records = list(error_records(self.job, task.ref, digest, task.tasks, task_keys(self.job, digest), error))
         self.records(item, records)
 
     def _finished(self, item: WorkItem, failed: bool) -> None:
         if failed:
-            self.summary.failed_documents.append(item.doc_id)
+            self.summary.failed_documents.append(text_safe(item.doc_id))
         if self.bar is not None:
             self.bar.update(1)
             self.bar.set_postfix(failed=len(self.summary.failed_documents))
@@ -331,15 +373,18 @@ def _died(item: WorkItem) -> dict:
     }
 
 
-def _connect(address: str | None, cpus: float) -> bool:
+def _connect(address: str | None, workers: int | None, cpus_per_worker: float) -> bool:
     """Join ``address`` or start a private local cluster; True if we called ``ray.init``.
 
-    An already-initialised Ray (a notebook, a test fixture) is used as is
-    and left running.
+    A private cluster gets this machine's GPUs and enough CPUs for the
+    actors the plan will ask for (``workers``, or one per GPU, or the
+    default CPU actors).  An already-initialised Ray (a notebook, a test
+    fixture) is used as is and left running.
     """
     import ray
 
     from pipeline.errors import TqpipeError
+    from pipeline.run.ray_resources import DEFAULT_CPU_WORKERS, local_gpus
 
     if ray.is_initialized():
         return False
@@ -349,20 +394,39 @@ def _connect(address: str | None, cpus: float) -> bool:
             ray.init(address=address, **quiet)
         except (ConnectionError, RuntimeError, ValueError) as e:
             raise TqpipeError(f"Ray: cannot connect to cluster {address!r}: {first_line(e)}") from None
-        have = ray.cluster_resources().get("CPU", 0)
-        if have < cpus:
-            ray.shutdown()
-            raise TqpipeError(
-                f"Ray: cluster {address!r} has {have:g} CPUs, the job's workers need {cpus:g}; lower --workers"
-            )
         return True
+    gpus = local_gpus()
+    actors = workers or max(gpus, DEFAULT_CPU_WORKERS if not gpus else 0)
     ray.init(
-        num_cpus=max(1, int(-(-cpus // 1))),
+        num_cpus=max(1, int(-(-(actors * cpus_per_worker) // 1))),
+        num_gpus=gpus,
         include_dashboard=False,
         object_store_memory=_LOCAL_OBJECT_STORE_BYTES,
         **quiet,
     )
     return True
+
+
+def _plan(address: str | None, workers: int | None, gpus_per_worker: float | None, cpus_per_worker: float) -> Any:
+    """The actor plan for the connected cluster's GPUs; stops early (and
+    disconnects) when its CPUs cannot hold the actors."""
+    import ray
+
+    from pipeline.errors import TqpipeError
+    from pipeline.run.ray_resources import plan_actors
+
+    have = ray.cluster_resources()
+    try:
+        plan = plan_actors(have.get("GPU", 0), workers, gpus_per_worker, cpus_per_worker)
+    except ValueError as e:
+        raise TqpipeError(f"Ray: cluster {address or 'local'}: {e}") from None
+    cpus = plan.workers * cpus_per_worker
+    if have.get("CPU", 0) < cpus:
+        raise TqpipeError(
+            f"Ray: cluster {address or 'local'!r} has {have.get('CPU', 0):g} CPUs, the job's workers need "
+            f"{cpus:g} ({plan.describe()}); lower --workers"
+        )
+    return plan
 
 
 def _release(dispatcher: Dispatcher | None, started: bool) -> None:

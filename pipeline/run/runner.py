@@ -14,21 +14,30 @@ from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 from pipeline.inference.engines import Engines
+from pipeline.inference.kv_size import describe
 from pipeline.inference.prompt import DocumentPrompt
 from pipeline.inputs.discover import DocumentRef, discover
 from pipeline.output.lock import JobLock
-from pipeline.output.results_log import ResultLog
+from pipeline.output.render import same_content_record
+from pipeline.output.target import check_output
+from pipeline.output.results_log import ResultLog, latest_records
 from pipeline.run.document import process_document
 from pipeline.run.plan import DocumentWork, WorkPlan
 from pipeline.run.progress import make_progress
 from pipeline.schema.job import Job
+from pipeline.schema.paths import shown, text_safe
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass
 class RunSummary:
-    """What one run did; ``exit_code`` is what ``tqpipe run`` exits with."""
+    """What one run did; ``exit_code`` is what ``tqpipe run`` exits with.
+
+    ``warned`` counts ok records with quality warnings (written now, or
+    skipped as already done: like ``failed``, the whole job's state counts),
+    ``warnings`` per code.  Under ``strict`` warned records are failures.
+    """
 
     documents: int = 0
     done: int = 0  # ok records written by this run
@@ -36,10 +45,45 @@ class RunSummary:
     skipped: int = 0  # documents whose every task was already recorded
     records_written: int = 0
     failed_documents: list[str] = field(default_factory=list)
+    warned: int = 0
+    warnings: dict[str, int] = field(default_factory=dict)
+    strict: bool = False
 
     @property
     def exit_code(self) -> int:
-        return 1 if self.failed else 0
+        return 1 if self.failed or (self.strict and self.warned) else 0
+
+    def count(self, record: dict) -> bool:
+        """Account for one written record; True if it is an error."""
+        self.records_written += 1
+        if record["status"] != "ok":
+            self.failed += 1
+            return True
+        self.done += 1
+        self._warned(record.get("warnings") or ())
+        return False
+
+    def count_before(self, work: DocumentWork) -> None:
+        """Account for the tasks of ``work`` an earlier run already recorded."""
+        self.failed += work.failed_before
+        for found in work.warned_before:
+            self._warned(found)
+
+    def _warned(self, codes: Sequence[str]) -> None:
+        if codes:
+            self.warned += 1
+            for code in codes:
+                self.warnings[code] = self.warnings.get(code, 0) + 1
+
+    def line(self) -> str:
+        """The one summary line of ``tqpipe run``."""
+        warned = ""
+        if self.warned:
+            codes = ", ".join(f"{c} {n}" for c, n in sorted(self.warnings.items()))
+            warned = (f"; {self.warned} done with warnings{' (' + codes + ')' if codes else ''}"
+                      f"{', failing under strict' if self.strict else ''}")
+        return (f"{self.documents} documents; {self.done} done, {self.failed} failed, "
+                f"{self.skipped} already done{warned}; {self.records_written} records")
 
 
 def run_job(
@@ -55,12 +99,15 @@ def run_job(
     """Process every document of ``job`` (or ``refs``) not yet recorded.
 
     Holds the job's lock for the whole run (``LockHeldError`` if another run
-    has it).  ``dry_run`` ingests and tokenizes only: no model, no results,
+    has it).  A failure of the run itself - the model does not load, the
+    results file cannot be written - raises a
+    :class:`~pipeline.errors.RunError` and writes no record for any
+    document; a document's own failure becomes its error records.  ``dry_run`` ingests and tokenizes only: no model, no results,
     no lock.  A ``--pages`` override is already in ``job`` (see
     :func:`pipeline.schema.job.with_pages`).
     """
     refs = list(discover(job) if refs is None else refs)
-    summary = RunSummary(documents=len(refs))
+    summary = RunSummary(documents=len(refs), strict=job.spec.strict)
     if dry_run:
         from pipeline.run.dry_run import dry_run as dry_run_job
 
@@ -69,18 +116,22 @@ def run_job(
         summary.failed_documents.extend(failed)
         return summary
 
+    check_output(job, refs)  # never append to an input, the job file or a foreign file
     engines = engines or Engines(job)
     plan = WorkPlan(job, retry_failed=retry_failed)
     with JobLock(job.output_path, job=job.spec.name), ResultLog(job.output_path).open() as log:
         docs_bar = make_progress(len(refs), "documents", "doc", position=0) if progress else None
         try:
+            originals = SameContent(log)
             for ref in refs:
                 work = plan.document(ref, log)
-                summary.failed += work.failed_before  # failures from earlier runs still count for the exit code
+                summary.count_before(work)  # failures from earlier runs still count for the exit code
                 if not work.tasks:
                     summary.skipped += 1
+                elif work.same_as is not None:
+                    originals.write(job, work, summary)
                 else:
-                    _run_document(engines, job, work, log, summary, progress)
+                    _run_document(engines, job, work, log, summary, progress, originals)
                 if docs_bar is not None:
                     docs_bar.update(1)
                     docs_bar.set_postfix(failed=len(summary.failed_documents))
@@ -94,8 +145,49 @@ def run_job(
     return summary
 
 
+class SameContent:
+    """Second names of one content: their records are copies of the first
+    name's (:func:`~pipeline.output.render.same_content_record`).  The first
+    name comes earlier in discovery order, so its records are in the log;
+    those of this run are kept here, older ones read back from the file."""
+
+    def __init__(self, log: ResultLog):
+        self.log = log
+        self.latest: dict[str, dict] = {}
+        self._read = False
+
+    def note(self, record: dict) -> None:
+        self.latest[record["key"]] = record
+
+    def original(self, key: str) -> dict | None:
+        if key not in self.latest and not self._read:
+            self._read = True
+            for k, r in latest_records(self.log.path).items():
+                self.latest.setdefault(k, r)
+        return self.latest.get(key)
+
+    def write(self, job: Job, work: DocumentWork, summary: RunSummary) -> None:
+        """Append the copies for ``work``'s pending tasks; log one line naming both documents."""
+        written = 0
+        failed = False
+        for task in work.tasks:
+            original = self.original(work.original_keys[task.name])
+            if original is None:  # the first name's task is not recorded (it was interrupted): next run
+                logger.warning("%s [%s]: same content as %s, which has no record yet; left pending",
+                               shown(work.ref.doc_id), task.name, shown(work.same_as.doc_id))
+                continue
+            record = same_content_record(original, job, work.ref, work.keys[task.name])
+            self.log.append(record)
+            failed |= summary.count(record)
+            written += 1
+        if failed:
+            summary.failed_documents.append(text_safe(work.ref.doc_id))
+        logger.info("%s: same content as %s; %d records copied, no second prefill",
+                    shown(work.ref.doc_id), shown(work.same_as.doc_id), written)
+
+
 def _run_document(engines: Engines, job: Job, work: DocumentWork, log: ResultLog, summary: RunSummary,
-                  progress: bool) -> None:
+                  progress: bool, originals: SameContent) -> None:
     """Process one document's pending tasks, appending each record as it comes."""
     ref, todo = work.ref, work.tasks
 
@@ -115,29 +207,29 @@ def _run_document(engines: Engines, job: Job, work: DocumentWork, log: ResultLog
         for record in process_document(engines, job, ref, tasks=todo, digest=work.digest,
                                        on_prefill=on_prefill, on_token=on_token, on_prompt=on_prompt):
             log.append(record)
-            summary.records_written += 1
-            if record["status"] == "ok":
-                summary.done += 1
-                ok.append(record)
-            else:
-                summary.failed += 1
+            originals.note(record)
+            if summary.count(record):
                 failed = True
-                logger.warning("%s [%s]: %s", ref.doc_id, record["task"], record["error"]["message"])
+                logger.warning("%s [%s]: %s", shown(ref.doc_id), record["task"], record["error"]["message"])
+            else:
+                ok.append(record)
+                if record["warnings"]:
+                    logger.warning("%s [%s]: warnings: %s", shown(ref.doc_id), record["task"],
+                                   ", ".join(record["warnings"]))
     finally:
         for bar in bars:
             bar.close()
     if failed:
-        summary.failed_documents.append(ref.doc_id)
+        summary.failed_documents.append(text_safe(ref.doc_id))
     if ok:  # one plain line per document, terminal or cron
         t, mem = ok[0]["timing"], ok[-1]["memory"]
         logger.info(
-            "%s: %d tokens prefilled in %.1f s, %d tasks, %d tokens generated in %.1f s, KV cache %.1f MiB (%s), "
+            "%s: %d tokens prefilled in %.1f s, %d tasks, %d tokens generated in %.1f s, KV cache %s, "
             "peak memory %.0f MiB MLX / %.0f MiB max RSS",
-            ref.doc_id, ok[0]["tokens"]["document"], t["prefill_s"], len(ok),
+            shown(ref.doc_id), ok[0]["tokens"]["document"], t["prefill_s"], len(ok),
             sum(r["tokens"]["generated"] for r in ok), sum(r["timing"]["decode_s"] for r in ok),
-            ok[0]["cache"]["nbytes_after_prefill"] / 2**20, ok[0]["cache"]["scheme"],
-            mem["mx_peak_bytes"] / 2**20, mem["max_rss_bytes"] / 2**20,
+            describe(ok[0]["cache"]), mem["mx_peak_bytes"] / 2**20, mem["max_rss_bytes"] / 2**20,
         )
 
 
-__all__ = ["RunSummary", "run_job"]
+__all__ = ["RunSummary", "SameContent", "run_job"]

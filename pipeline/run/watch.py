@@ -7,6 +7,12 @@ break on network mounts with skewed clocks), so a half-copied file is never
 read.  Temporary names (``.part``, ``.tmp``, ``.crdownload``, hidden files)
 are ignored until they are renamed to their final name.
 
+Where the OS can tell, a settled file is also checked for writers: on Linux
+a read lease (``F_SETLEASE``) is refused while any process holds the file
+open for writing, so a copy that pauses longer than the settle time is not
+read half-written.  Where leases are not available (another owner, NFS,
+other systems) the size-and-mtime rule alone decides.
+
 Polling, not inotify, is deliberate: inboxes are often NFS/SMB mounts or
 sync folders where inotify events never arrive, and a poll every second over
 one folder costs nothing next to running a model.
@@ -17,7 +23,11 @@ appends and torn-line repair) with its content hash and path.  A restarted
 watcher skips ledger entries whose path, size and mtime still match without
 rereading them, and skips any file whose content hash is in the ledger, so a
 re-copied file with the same bytes is not redone.  Files that failed are
-recorded too and are not retried until their content changes.  The ledger is
+recorded too and are not retried until their content changes.  A second
+name for bytes already handled is recorded ``duplicate``; ``same_content``
+(if given) is told first, so the caller can write that name's records.
+File names are kept as text with undecodable bytes escaped
+(:mod:`pipeline.schema.paths`) and quoted in log lines.  The ledger is
 an optimisation on top of the results file, not the source of truth: if the
 watcher dies between writing results and writing the ledger, the document is
 offered again and the runner's checkpoint skips its finished tasks.
@@ -29,16 +39,18 @@ import errno
 import fnmatch
 import hashlib
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Iterable
 from contextlib import nullcontext
 from pathlib import Path
 
-from pipeline.errors import CheckpointError, IngestError, LockHeldError, TqpipeError
+from pipeline.errors import CheckpointError, IngestError, LockHeldError, RunError, TqpipeError
 from pipeline.inputs.discover import IMAGE_SUFFIXES, DocumentRef, content_hash, natural_key
 from pipeline.output.lock import JobLock
 from pipeline.output.results_log import ResultLog
+from pipeline.schema.paths import path_b64, path_text, shown
 from pipeline.schema.record import utc_now
 
 logger = logging.getLogger(__name__)
@@ -59,7 +71,30 @@ def _matches(name: str, patterns: Iterable[str]) -> bool:
 
 
 def _sig_id(sig: Signature) -> str:
-    return hashlib.sha1(repr(sig).encode()).hexdigest()[:16]
+    return hashlib.sha1(path_text(repr(sig)).encode()).hexdigest()[:16]
+
+
+def open_for_writing_elsewhere(path: Path) -> bool:
+    """True when some process holds ``path`` open for writing, as far as the OS
+    can tell (Linux read leases); False when it cannot tell."""
+    import fcntl
+
+    setlease = getattr(fcntl, "F_SETLEASE", None)
+    if setlease is None or path.is_dir():
+        return False
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except OSError:
+        return False
+    try:
+        fcntl.fcntl(fd, setlease, fcntl.F_RDLCK)
+    except OSError as e:
+        return e.errno in (errno.EAGAIN, errno.EBUSY)  # EACCES (not our file), EINVAL (NFS): cannot tell
+    else:
+        fcntl.fcntl(fd, setlease, fcntl.F_UNLCK)
+        return False
+    finally:
+        os.close(fd)
 
 
 class InboxWatcher:
@@ -81,6 +116,7 @@ class InboxWatcher:
         folders: bool = True,
         retry_seconds: float = 30.0,
         lock: bool = True,
+        same_content: Callable[[Path, Path], None] | None = None,
     ):
         self.inbox = Path(inbox)
         self.ledger_path = Path(ledger_path)
@@ -90,6 +126,7 @@ class InboxWatcher:
         self.folders = folders
         self.retry_seconds = retry_seconds
         self.lock = lock
+        self.same_content = same_content
         self._ledger_in_inbox = self.ledger_path.resolve().parent == self.inbox.resolve()
         self._ledger: ResultLog | None = None
         self._done_hashes: dict[str, str] = {}  # content hash -> path it was processed as
@@ -117,9 +154,9 @@ class InboxWatcher:
 
     def _rel(self, path: Path) -> str:
         try:
-            return Path(path).relative_to(self.inbox).as_posix()
+            return path_text(Path(path).relative_to(self.inbox).as_posix())
         except ValueError:
-            return str(path)
+            return path_text(path)
 
     def mark_done(self, path: Path, content_hash: str, status: str, *, error: str | None = None) -> None:
         """Durably record that ``path`` (with ``content_hash``) was handled."""
@@ -135,6 +172,8 @@ class InboxWatcher:
         rel = self._rel(path)
         entry = {"key": content_hash, "status": status, "path": rel, "content_hash": content_hash,
                  "sig": _sig_id(sig) if sig else None, "error": error, "at": utc_now()}
+        if (raw := path_b64(path.relative_to(self.inbox) if path.is_relative_to(self.inbox) else path)) is not None:
+            entry["path_b64"] = raw  # the raw bytes of a name that is not UTF-8
         self._open_ledger().append(entry)
         self._remember(rel, content_hash, entry["sig"])
         self._forget(path)
@@ -172,14 +211,14 @@ class InboxWatcher:
                     if sig[0] == 0:
                         if path not in self._warned_empty:
                             self._warned_empty.add(path)
-                            logger.info("inbox: %s is empty; waiting for content", path)
+                            logger.info("inbox: %s is empty; waiting for content", shown(path))
                         continue
                 else:
                     continue
             except FileNotFoundError:
                 continue  # vanished while scanning
             except OSError as e:  # one unreadable entry must not hide the others
-                logger.debug("inbox: cannot stat %s: %s", path, e)
+                logger.debug("inbox: cannot stat %s: %s", shown(path), e)
                 continue
             out.append((path, sig))
         return out
@@ -216,12 +255,17 @@ class InboxWatcher:
                 continue
             if now - seen[1] < self.settle_seconds or self._retry_at.get(path, 0.0) > now:
                 continue
+            if open_for_writing_elsewhere(path):
+                self._seen[path] = (sig, now)  # a writer still has it open: wait, whatever the pause
+                continue
             digest = self._cached_hash(path, sig)
             if digest is None:
                 continue
             if digest in self._done_hashes:
-                logger.info("inbox: %s has the same content as %s, already handled; skipped",
-                            path, self._done_hashes[digest])
+                original = self._done_hashes[digest]
+                logger.info("inbox: %s has the same content as %s, already handled", shown(path), shown(original))
+                if self.same_content is not None and (self.inbox / original).exists():
+                    self.same_content(path, self.inbox / original)
                 self.mark_done(path, digest, "duplicate")
                 continue
             ready.append(path)
@@ -240,7 +284,7 @@ class InboxWatcher:
             if not path.exists():
                 self._forget(path)
                 return None
-            logger.warning("inbox: cannot read %s: %s; will retry", path, e)
+            logger.warning("inbox: cannot read %s: %s; will retry", shown(path), e)
             self._retry_at[path] = time.monotonic() + self.retry_seconds
             return None
         if after != sig:  # still being written after all
@@ -259,29 +303,31 @@ class InboxWatcher:
         """Run ``handle(path)`` and record the outcome; returns the ledger status
         (None when the file vanished or the failure was transient)."""
         sig, digest = self._hashes[path]
-        logger.info("inbox: processing %s", path)
+        logger.info("inbox: processing %s", shown(path))
         try:
             status = handle(path) or "ok"
             error = None
         except Exception as e:  # noqa: BLE001 - one bad file must not stop the watcher
             if not path.exists():
-                logger.warning("inbox: %s vanished while being processed; skipped", path)
+                logger.warning("inbox: %s vanished while being processed; skipped", shown(path))
                 self._forget(path)
                 return None
             if _is_transient(e):
-                logger.error("inbox: %s: %s; will retry in %.0f s", path, e, self.retry_seconds)
+                logger.error("inbox: %s: %s; will retry in %.0f s", shown(path), e, self.retry_seconds)
                 self._retry_at[path] = time.monotonic() + self.retry_seconds
                 return None
+            if isinstance(e, RunError):
+                raise  # the model does not load: no file's fault, the watcher stops (exit 4)
             detail = str(e) if isinstance(e, TqpipeError) else f"{type(e).__name__}: {e}"
-            logger.error("inbox: %s failed: %s", path, detail, exc_info=logger.isEnabledFor(logging.DEBUG))
+            logger.error("inbox: %s failed: %s", shown(path), detail, exc_info=logger.isEnabledFor(logging.DEBUG))
             status, error = "failed", detail
         try:
             self.mark_done(path, digest, status, error=error)
         except CheckpointError as e:
-            logger.error("inbox: %s; %s will be offered again (finished tasks are skipped)", e, path)
+            logger.error("inbox: %s; %s will be offered again (finished tasks are skipped)", e, shown(path))
             self._retry_at[path] = time.monotonic() + self.retry_seconds
             return None
-        logger.info("inbox: %s -> %s", path, status)
+        logger.info("inbox: %s -> %s", shown(path), status)
         return status
 
     def run(self, handle: Callable[[Path], str | None], *, stop: threading.Event | None = None,
@@ -296,7 +342,7 @@ class InboxWatcher:
         Holds a lock on the ledger, so two watchers never share one inbox.
         """
         if not self.inbox.is_dir():
-            raise TqpipeError(f"{self.inbox}: inbox folder does not exist")
+            raise InboxError(f"{shown(self.inbox)}: inbox folder does not exist")
         stop = stop or threading.Event()
         with JobLock(self.ledger_path) if self.lock else nullcontext():
             try:
@@ -312,6 +358,10 @@ class InboxWatcher:
                     stop.wait(self.poll_seconds)
             finally:
                 self.close()
+
+
+class InboxError(TqpipeError):
+    """The inbox itself is unusable (missing, not a folder): a usage error (exit 2)."""
 
 
 def _is_transient(e: BaseException) -> bool:

@@ -28,26 +28,52 @@ from turboquant.widths import ALLOWED_COMPONENT_BITS, ALLOWED_KV_BITS  # the qua
 AFFINE_KV_BITS = (4, 8)
 
 
+#: JSON types a ``fields: {name: type}`` entry may name.
+FieldType = Literal["string", "number", "integer", "boolean", "array", "object"]
+#: How ``format: json`` answers are decoded; part of their config hash.
+JSON_DECODING = "json-constrained"
+
+
 class _Spec(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
 
 class TaskSpec(_Spec):
     """One question asked of every document (the document is prefilled once)."""
 
-    name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
-    prompt: str = Field(min_length=1)
-    max_tokens: int = Field(256, gt=0)
-    temperature: float = Field(0.0, ge=0)
-    format: Literal["text", "json"] = "text"
-    fields: list[str] | None = None  # json: the keys the answer should have
+    name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.-]+$",
+                      description="unique within the job; part of each record's key")
+    prompt: str = Field(min_length=1, description="the question asked after the document")
+    max_tokens: int = Field(256, gt=0, description="answer budget in tokens")
+    temperature: float = Field(0.0, ge=0, description="0 = greedy (reproducible)")
+    format: Literal["text", "json"] = Field(
+        "text", description="json: decoding is constrained to valid JSON (the schema below), the record gets `parsed`")
+    fields: list[str] | dict[str, FieldType] | None = Field(
+        None, description="json: the keys the answer must have, as a list (string values) or {name: JSON type}")
+    schema_: dict[str, Any] | None = Field(
+        None, alias="schema", description="json: a JSON Schema the answer must satisfy (wins over fields)")
 
-    @field_validator("fields")
+    @field_validator("fields", "schema_")
     @classmethod
-    def _fields_need_json(cls, v: list[str] | None, info: ValidationInfo) -> list[str] | None:
+    def _fields_need_json(cls, v: Any, info: ValidationInfo) -> Any:
         if v is not None and info.data.get("format") != "json":
             raise ValueError("only meaningful with format: json")
         return v
+
+    def hash_fields(self) -> dict[str, Any]:
+        """What of this task enters its config hash.
+
+        A ``format: json`` answer is decoded under a JSON constraint, so its
+        hash carries the decoding mode (answers decoded freely by an older
+        version are redone); ``schema`` enters only when set, so text tasks
+        keep the keys they always had.
+        """
+        out = self.model_dump(exclude={"schema_"})
+        if self.schema_ is not None:
+            out["schema"] = self.schema_
+        if self.format == "json":
+            out["decoding"] = JSON_DECODING
+        return out
 
 
 class ModelSpec(_Spec):
@@ -57,21 +83,21 @@ class ModelSpec(_Spec):
     file's folder); a hub id is left as written.
     """
 
-    path: str | None = None
+    path: str | None = Field(None, description="local model folder or hub id (org/name); unset = built-in default")
 
 
 class CacheSpec(_Spec):
     """The KV cache: scheme and widths, parsed and checked here so the engine only reads them."""
 
-    kv_quant_scheme: Literal["turboquant", "fp16", "affine"] = "turboquant"
-    kv_bits: float = 3.5
-    key_bits: int | None = None
-    value_bits: int | None = None
-    window: int = Field(128, ge=0)
+    kv_quant_scheme: Literal["turboquant", "fp16", "affine"] = Field("turboquant", description="KV cache storage")
+    kv_bits: float = Field(3.5, description="turboquant: 2, 2.5, 3, 3.5, 4 (2.5 = 2-bit keys/3-bit values); affine: 4, 8")
+    key_bits: int | None = Field(None, description="turboquant: key bits 1-4, overriding kv_bits' split")
+    value_bits: int | None = Field(None, description="turboquant: value bits 1-4, overriding kv_bits' split")
+    window: int = Field(128, ge=0, description="turboquant: most recent tokens kept exact")
     # "tcq": trellis-coded TurboQuant (same bytes, ~0.65x the attention error
     # of "scalar" on Gaussian K/V, ~90x slower to quantize, no GPU kernels).
-    quantizer: Literal["scalar", "tcq"] = "scalar"
-    prefill_chunk: int = Field(512, gt=0)
+    quantizer: Literal["scalar", "tcq"] = Field("scalar", description="turboquant: scalar, or tcq (trellis-coded)")
+    prefill_chunk: int = Field(512, gt=0, description="tokens per prefill step (bounds peak memory)")
 
     # Field validators (not one model validator) so the error names the exact key.
     @field_validator("kv_bits")
@@ -107,14 +133,17 @@ class CacheSpec(_Spec):
 class ContextSpec(_Spec):
     """How a document becomes a context: limits, images, page selection, page failures."""
 
-    max_tokens: int = Field(8192, gt=0)
-    overflow: Literal["error", "truncate"] = "truncate"
-    images: Literal["auto", "always", "never"] = "auto"
-    dpi: int = Field(72, ge=18, le=600)
-    pages: str | None = None
-    page_retries: int = Field(1, ge=0)
-    max_failed_page_fraction: float = Field(0.25, ge=0, le=1)
-    page_markers: bool = True
+    max_tokens: int = Field(8192, gt=0, description="document context limit in tokens (capped at the model's own)")
+    overflow: Literal["error", "truncate"] = Field(
+        "truncate", description="a document over max_tokens: truncated (stated in the record) or an error record")
+    images: Literal["auto", "always", "never"] = Field(
+        "auto", description="page images: auto = only pages without a text layer")
+    dpi: int = Field(72, ge=18, le=600, description="resolution of rendered page images")
+    pages: str | None = Field(None, description="page ranges, e.g. '1-20,35,-5' (-1 = last page)")
+    page_retries: int = Field(1, ge=0, description="retries of a page that fails to extract before it is skipped")
+    max_failed_page_fraction: float = Field(
+        0.25, ge=0, le=1, description="more skipped pages than this fraction fail the document")
+    page_markers: bool = Field(True, description="'[Page N]' before each page so answers can cite pages")
 
     @field_validator("pages", mode="before")
     @classmethod
@@ -132,38 +161,49 @@ class ContextSpec(_Spec):
 class CacheStoreSpec(_Spec):
     """Where prefilled document caches are kept between runs (``pipeline.inference.doc_cache``)."""
 
-    path: str | None = None  # default: $TQPIPE_HOME/doc-caches, else ~/.cache/tqpipe/doc-caches
-    max_gb: float = Field(20.0, ge=0)  # least recently used entries go first; 0 turns the store off
+    path: str | None = Field(None, description="store folder (relative to the job file); unset = $TQPIPE_HOME/doc-caches, else ~/.cache/tqpipe/doc-caches")
+    max_gb: float = Field(20.0, ge=0, description="size cap: least recently used entries are evicted first; 0 turns the store off")
 
 
 class EngineSpec(_Spec):
-    """Where documents run: locally, or on Ray with these workers and retry bounds."""
+    """Where documents run: locally, or on Ray with these workers and retry bounds.
 
-    kind: Literal["local", "ray"] = "local"
-    address: str | None = None
-    workers: int = Field(2, ge=1)
-    max_retries: int = Field(2, ge=0)
-    max_in_flight_per_worker: int = Field(2, ge=1)
+    ``workers`` None: one actor per GPU of the cluster (2 CPU actors where it
+    has none); ``gpus_per_worker`` None: 1 where there are GPUs, 0 forces CPU
+    actors (``pipeline.run.ray_resources``).
+    """
+
+    kind: Literal["local", "ray"] = Field("local", description="local, or ray (a cluster, see docs/ray.md)")
+    address: str | None = Field(None, description="ray: cluster address ('auto', 'ray://host:10001'); unset = local Ray")
+    workers: int | None = Field(None, ge=1, description="ray: worker actors, one model each; unset = one per GPU (2 CPU actors without GPUs)")
+    gpus_per_worker: float | None = Field(None, ge=0, description="ray: GPUs per actor; unset = 1 where the cluster has GPUs, 0 forces CPU actors")
+    max_retries: int = Field(2, ge=0, description="ray: retries of a document whose worker died")
+    max_in_flight_per_worker: int = Field(2, ge=1, description="ray: documents queued per worker")
 
 
 class ImageSetInput(_Spec):
     """``{images: folder-or-glob}``: ONE document of all matching images, natural sort."""
 
-    images: str = Field(min_length=1)
+    images: str = Field(min_length=1, description="a folder or glob of images: one document, natural sort")
 
 
 class JobSpec(_Spec):
     """A whole job file as validated; the root of every key ``load_job`` reports."""
 
-    name: str = Field(min_length=1)
-    inputs: list[str | ImageSetInput] = Field(min_length=1)
-    model: ModelSpec = ModelSpec()
-    cache: CacheSpec = CacheSpec()
-    context: ContextSpec = ContextSpec()
-    tasks: list[TaskSpec] = Field(min_length=1)
-    output: str = Field(min_length=1)
-    engine: EngineSpec = EngineSpec()
-    cache_store: CacheStoreSpec = CacheStoreSpec()
+    name: str = Field(min_length=1, description="the job's name, in every record")
+    # May be empty for ``tqpipe watch`` (documents come from the inbox);
+    # ``load_job`` rejects an empty list for every other command.
+    inputs: list[str | ImageSetInput] = Field(
+        default_factory=list, description="files, folders, globs (relative to the job file), or {images: folder}")
+    model: ModelSpec = Field(ModelSpec(), description="which model")
+    cache: CacheSpec = Field(CacheSpec(), description="the KV cache")
+    context: ContextSpec = Field(ContextSpec(), description="how a document becomes a context")
+    tasks: list[TaskSpec] = Field(min_length=1, description="questions asked of every document")
+    output: str = Field(min_length=1, description="results file (.jsonl), relative to the job file")
+    engine: EngineSpec = Field(EngineSpec(), description="where documents run")
+    # Not in the config hash: it changes no output.
+    strict: bool = Field(False, description="records with quality warnings count as failures for the exit code")
+    cache_store: CacheStoreSpec = Field(CacheStoreSpec(), description="where prefilled document caches are kept between runs")
 
     @field_validator("tasks")
     @classmethod

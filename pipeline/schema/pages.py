@@ -81,6 +81,41 @@ def select_pages(spec: str | None, page_count: int, *, document: str | Path | No
     return sorted(selected)
 
 
+def clip_pages(spec: str | None, page_count: int, *, document: str | Path | None = None) -> tuple[list[int], str | None]:
+    """Like :func:`select_pages`, but parts of ``spec`` beyond the document are
+    clipped instead of failing it: one spec serves a job over documents of
+    any length (``1-20,35,-5`` on a 12-page file is pages 1-12).
+
+    Returns the pages and a note saying what was clipped (None if nothing).
+    A range is cut to the document; a single page outside it is dropped.
+    Raises :class:`PageRangeError` only when nothing at all is left.
+    """
+    if spec is None:
+        return list(range(1, page_count + 1)), None
+    selected: set[int] = set()
+    clipped: list[str] = []
+    for first, last in parse_page_ranges(spec):
+        lo, hi = _position(first, page_count), _position(last, page_count)
+        text = str(first) if first == last else (f"{first}-" if last == LAST else f"{first}-{last}")
+        a, b = max(lo, 1), min(hi, page_count)
+        if a > b:
+            clipped.append(f"{text} (none left)")
+            continue
+        if (a, b) != (lo, hi):
+            clipped.append(f"{text} (kept {a}-{b})" if a != b else f"{text} (kept {a})")
+        selected.update(range(a, b + 1))
+    if not selected:
+        raise PageRangeError(spec, f"selects no page of this {page_count}-page document", document)
+    note = None
+    if clipped:
+        note = f"pages {spec!r} reach past this {page_count}-page document: " + ", ".join(clipped)
+    return sorted(selected), note
+
+
+def _position(n: int, page_count: int) -> int:
+    return n if n > 0 else page_count + 1 + n
+
+
 def _resolve(n: int, page_count: int, spec: str, document: str | Path | None) -> int:
     page = n if n > 0 else page_count + 1 + n
     if not 1 <= page <= page_count:

@@ -27,8 +27,33 @@ RECORD_FIELDS = (
     "schema_version", "key", "created_at", "job", "doc_id", "source",
     "content_hash", "task", "config_hash", "status", "output", "parsed",
     "parse_error", "tokens", "timing", "cache", "model", "context", "pages",
-    "error",
+    "error", "warnings", "source_b64",
 )
+
+#: The quality warnings a record can carry in ``warnings``: stable short codes
+#: (scripts and ``tqpipe status`` count them), each with what it means.  A
+#: warned record is ``ok`` (the model ran, its text is kept) but the answer
+#: may be wrong or incomplete; with ``strict: true`` in the job it counts as a
+#: failure for the exit code.  Details live in the record's other fields (the
+#: field named here).  New codes are added here, nowhere else.
+WARNING_CODES: dict[str, str] = {
+    "json_parse_failed": "a format: json task whose answer holds no JSON object (parse_error)",
+    "json_repaired": "a format: json answer that was not valid JSON as written; json-repair read it (json.repaired)",
+    "truncated": "the document did not fit the context; trailing pages were dropped (context.truncated)",
+    "pages_skipped": "pages that could not be read were left out (pages.skipped)",
+    "pages_clipped": "the page selection reached past the document's end and was clipped (context.pages_clipped)",
+    "random_weights": "the model has seeded random weights (the built-in tiny VLM): its answers are noise",
+}
+
+
+def add_warning(warnings: list[str], code: str) -> list[str]:
+    """Append ``code`` to ``warnings`` once; unknown codes are a programming error."""
+    if code not in WARNING_CODES:
+        raise ValueError(f"unknown warning code {code!r}; add it to pipeline.schema.record.WARNING_CODES")
+    if code not in warnings:
+        warnings.append(code)
+    return warnings
+
 
 _CONFIG_HASH_CHARS = 16  # 64 bits: collisions between configs are not a concern
 
@@ -98,9 +123,13 @@ def record_key(content_hash: str, task_name: str, config_hash: str) -> str:
 def error_info(exc: BaseException, *, stage: str | None = None) -> dict:
     """The ``error`` field of a record for an exception: type, message, and
     the pipeline stage (ingest, context, prefill, decode, ...) where it hit."""
-    info = {"type": type(exc).__name__, "message": str(exc) or repr(exc)}
+    from pipeline.schema.paths import text_safe
+
+    info = {"type": type(exc).__name__, "message": text_safe(str(exc) or repr(exc))}
     if stage is not None:
         info["stage"] = stage
+    if getattr(exc, "transient", False) or isinstance(exc, (OSError, MemoryError)):
+        info["transient"] = True  # not the document's fault: a plain rerun retries it (pipeline.run.plan)
     return info
 
 

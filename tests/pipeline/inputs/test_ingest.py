@@ -118,10 +118,15 @@ def test_page_selection(samples):
                            output="o.jsonl", context=ContextSpec(pages="2,-1")), path=samples / "j.yaml", base_dir=samples)
     override = ingest(ref, with_pages(job, "1-2").spec.context)  # CLI --pages wins
     assert [p.number for p in override.pages] == [1, 2]
-    with pytest.raises(IngestError) as e:
-        ingest(ref, ContextSpec(pages="1-20"))
+    # a selection past the end is clipped, and says so (issue 27: README's 1-20,35,-5 on short documents)
+    clipped = ingest(ref, ContextSpec(pages="1-20,35,-5"))
+    assert [p.number for p in clipped.pages] == [1, 2, 3, 4]
+    assert clipped.pages_clipped == "pages '1-20,35,-5' reach past this 4-page document: 1-20 (kept 1-4), 35 (none left), -5 (none left)"
+    assert ingest(ref, ContextSpec(pages="2,-1")).pages_clipped is None
+    with pytest.raises(IngestError) as e:  # nothing left at all: the document fails, naming itself
+        ingest(ref, ContextSpec(pages="20-30"))
     msg = str(e.value)
-    assert msg.startswith(str(ref.source)) and "page 20 is out of range: the document has 4 page(s)" in msg
+    assert msg.startswith(str(ref.source)) and "selects no page of this 4-page document" in msg
 
 
 # -- broken documents -------------------------------------------------------

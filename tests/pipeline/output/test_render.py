@@ -69,9 +69,16 @@ def test_json_record_checks_cited_pages_and_fields():
     assert rec["missing_fields"] == ["author"]
     assert rec["citations"] == {"cited": [2, 40], "unknown": [40], "valid": False}
     bad = ok_record(job, ref, "sha256:ab", task, "sha256:ab/f/0123",
-                     TaskResult(**{**result.__dict__, "text": '{"total": 12'}), prompt, None, "m")
+                     TaskResult(**{**result.__dict__, "text": '{'}), prompt, None, "m")
     assert bad["status"] == "ok" and bad["parsed"] is None and "invalid JSON" in bad["parse_error"]
+    assert bad["json"] == {"decoding": "free", "status": "invalid"}
+    # json-repair closes a cut-off object; the record says it was repaired and from what
+    fixed = ok_record(job, ref, "sha256:ab", task, "sha256:ab/f/0123",
+                      TaskResult(**{**result.__dict__, "text": '{"total": 12'}), prompt, None, "m")
+    assert fixed["parsed"] == {"total": 12} and fixed["parse_error"] is None
+    assert fixed["json"]["status"] == "repaired" and "invalid JSON" in fixed["json"]["repaired"]
+    assert fixed["warnings"] == ["json_repaired"] and bad["warnings"] == ["json_parse_failed"]
     assert "max_tokens" not in bad["parse_error"]
     cut = ok_record(job, ref, "sha256:ab", task, "sha256:ab/f/0123",
-                     TaskResult(**{**result.__dict__, "text": '{"total": 12', "finish_reason": "length"}), prompt, None, "m")
+                     TaskResult(**{**result.__dict__, "text": '{', "finish_reason": "length"}), prompt, None, "m")
     assert cut["parse_error"].endswith("(the answer hit max_tokens=256 and may be cut off)")

@@ -1,0 +1,82 @@
+"""Which file ``output:`` may name: a new file or an existing tqpipe results file.
+
+Results are appended, so a wrong ``output:`` destroys whatever it points at:
+an input PDF gets JSON lines glued to it, the job file is corrupted.  The
+folder is free (users share result folders, outside the job's own folder
+too), the file is not.  Refused, each with one line naming the path and
+the reason (a :class:`~pipeline.errors.JobFileError`, exit 2):
+
+* a folder, or anything that is not a regular file;
+* the job file itself, or a document of the job's inputs;
+* a symlink whose target is refused by these rules, or dangling;
+* an existing file that is not tqpipe JSONL: its first line must be a
+  record (a JSON object with ``schema_version`` and ``key``), or the start
+  of one torn by a crash.  An empty file is fine.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Iterable
+
+import orjson
+
+from pipeline.errors import JobFileError
+from pipeline.inputs.discover import DocumentRef, discover
+from pipeline.schema.job import Job
+from pipeline.schema.paths import shown
+
+_HEAD = 1 << 16  # the first line of a results file is one record: far less than this
+_RECORD_START = b'{"schema_version":'  # make_record puts it first
+
+
+def check_output(job: Job, refs: Iterable[DocumentRef] | None = None) -> Path:
+    """Raise :class:`JobFileError` unless ``job.output_path`` may be appended to;
+    return the resolved path (symlinks followed) that will be written."""
+    out = job.output_path
+    real = Path(os.path.realpath(out))
+
+    def refuse(reason: str) -> None:
+        where = shown(out) if real == out else f"{shown(out)} (-> {shown(real)})"
+        raise JobFileError(job.path, "output", f"{where}: {reason}; name a new file or an existing tqpipe results file")
+
+    if out.is_symlink() and not real.exists():
+        refuse("is a symlink to nothing")
+    if not real.exists():
+        return real
+    if real.is_dir():
+        refuse("is a folder")
+    if not real.is_file():
+        refuse("is not a regular file")
+    if real == Path(os.path.realpath(job.path)):
+        refuse("is the job file itself")
+    for ref in discover(job) if refs is None else refs:
+        for f in ref.members or (ref.source,):
+            if Path(os.path.realpath(f)) == real:
+                refuse(f"is an input document of this job ({shown(ref.doc_id)})")
+    reason = _not_results(real)
+    if reason:
+        refuse(reason)
+    return real
+
+
+def _not_results(path: Path) -> str | None:
+    """Why ``path`` is not a tqpipe results file, or None if it is one (or empty)."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(_HEAD)
+    except OSError as e:
+        return f"cannot be read ({e.strerror or e})"
+    if not head.strip():
+        return None
+    line, newline, _ = head.partition(b"\n")
+    if not newline:  # one line, maybe torn by a crash during the first append
+        return None if line.startswith(_RECORD_START) else "is not a tqpipe results file (JSONL records)"
+    try:
+        first = orjson.loads(line)
+    except orjson.JSONDecodeError:
+        return "is not a tqpipe results file (its first line is not JSON)"
+    if not (isinstance(first, dict) and "schema_version" in first and isinstance(first.get("key"), str)):
+        return "is not a tqpipe results file (its first line is not a tqpipe record)"
+    return None

@@ -1,0 +1,121 @@
+"""Exports (markdown, csv, parquet), the HTML report in a real headless Chromium, and their CLI."""
+
+from __future__ import annotations
+
+import csv
+import io
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import orjson
+import pytest
+from click.testing import CliRunner
+from fixtures_models import *  # noqa: F403
+
+from pipeline.cli import main
+from pipeline.inputs.samples import make_corrupt_pdf, make_text_pdf
+from pipeline.output.export import ExportError, export, records_for_export, to_csv
+from pipeline.output.report import render_report, warnings_of
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory, tiny_vlm_dir) -> Path:
+    """A job with a text task, a JSON task and a broken PDF, run once on the tiny VLM."""
+    d = tmp_path_factory.mktemp("exported")
+    (d / "docs").mkdir()
+    for i in range(2):
+        make_text_pdf(d / "docs" / f"doc{i}.pdf", [f"Document {i}, page {p}. Total {p * 10} EUR." for p in (1, 2)])
+    make_corrupt_pdf(d / "docs" / "broken.pdf")
+    (d / "job.yaml").write_text(
+        f"name: exp\ninputs: [docs/]\nmodel: {{path: '{tiny_vlm_dir}'}}\n"
+        "cache: {prefill_chunk: 64}\n"
+        "tasks:\n  - {name: summary, prompt: 'Summarize.', max_tokens: 3}\n"
+        "  - {name: fields, prompt: 'Total?', format: json, fields: [total, currency], max_tokens: 60}\n"
+        "output: out/results.jsonl\n")
+    r = CliRunner().invoke(main, ["run", str(d / "job.yaml"), "--no-progress"])
+    assert r.exit_code == 1, r.output  # the broken PDF fails, the rest is done
+    return d
+
+
+def test_csv_has_one_row_per_record_and_parsed_columns(run_dir):
+    results = run_dir / "out" / "results.jsonl"
+    records = records_for_export(results)
+    rows = list(csv.DictReader(io.StringIO(to_csv(records).decode())))
+    assert len(rows) == len(records) == 6
+    fields = [r for r in rows if r["task"] == "fields" and r["status"] == "ok"]
+    assert len(fields) == 2 and all(r["json_status"] == "valid" for r in fields)
+    assert {"parsed.total", "parsed.currency"} <= set(rows[0])
+    broken = [r for r in rows if r["doc_id"] == "docs/broken.pdf"]
+    assert {r["status"] for r in broken} == {"error"} and all(r["error_message"] for r in broken)
+    assert all(int(r["kv_fp16_nbytes"]) > 0 for r in rows if r["status"] == "ok")
+
+
+def test_markdown_has_a_section_per_document_and_task(run_dir, tmp_path):
+    out = tmp_path / "r.md"
+    assert export(run_dir / "out" / "results.jsonl", "markdown", out, job_name="exp") == 6
+    text = out.read_text()
+    assert text.startswith("# exp\n") and text.count("\n## ") == 3 and text.count("\n### ") == 6
+    assert "```json" in text and "> **failed** (ingest)" in text
+
+
+def test_parquet_round_trips_and_missing_pyarrow_is_a_clear_error(run_dir, tmp_path, monkeypatch):
+    pq = pytest.importorskip("pyarrow.parquet")
+    out = tmp_path / "r.parquet"
+    export(run_dir / "out" / "results.jsonl", "parquet", out, job_name="exp")
+    table = pq.read_table(out)
+    assert table.num_rows == 6 and "parsed.total" in table.column_names
+    monkeypatch.setitem(sys.modules, "pyarrow", None)  # as if not installed
+    with pytest.raises(ExportError, match=r"needs pyarrow: pip install 'tqpipe\[parquet\]'"):
+        export(run_dir / "out" / "results.jsonl", "parquet", tmp_path / "x.parquet", job_name="exp")
+
+
+def test_export_and_report_commands(run_dir, tmp_path):
+    job = str(run_dir / "job.yaml")
+    r = CliRunner().invoke(main, ["export", job, "--format", "csv"])
+    assert r.exit_code == 0 and (run_dir / "out" / "results.csv").is_file(), r.output
+    r = CliRunner().invoke(main, ["report", job, "-o", str(tmp_path / "rep.html")])
+    assert r.exit_code == 0 and "6 records" in r.output
+    empty = tmp_path / "empty.yaml"
+    empty.write_text(f"name: e\ninputs: [{run_dir / 'docs'}]\ntasks: [{{name: a, prompt: p}}]\noutput: none.jsonl\n")
+    r = CliRunner().invoke(main, ["report", str(empty)])
+    assert r.exit_code == 2 and "no results yet" in r.stderr
+
+
+def test_report_page_holds_plot_documents_and_warnings(run_dir):
+    records = records_for_export(run_dir / "out" / "results.jsonl")
+    page = render_report(records, job_name="exp", results=run_dir / "out" / "results.jsonl")
+    assert page.count('<tr class="doc">') == 6 and page.count('class="measured"') == 4  # one point per ok record
+    assert "<script src" not in page and "http" not in page.split("<body", 1)[1]  # self-contained
+    assert "fp16 (formula" in page and "turboquant 3.5 bits" in page
+    assert "answer hit max_tokens" in warnings_of({"finish_reason": "length"})
+    assert warnings_of({"context": {"truncated": True, "tokens_dropped": 9}, "warnings": ["random_weights", "truncated"]}
+                       ) == ["random_weights: the model's answers are noise", "truncated: 9 tokens dropped"]
+    assert warnings_of({"context": {"truncated": True, "tokens_dropped": 9}}) == ["truncated: 9 tokens dropped"]
+
+
+def _chromium() -> str | None:
+    return next((p for p in map(shutil.which, ("chromium", "chromium-browser", "google-chrome")) if p), None)
+
+
+@pytest.mark.skipif(_chromium() is None, reason="no Chromium binary on this machine (apt-get install chromium)")
+def test_report_renders_in_headless_chromium_with_a_screenshot(run_dir, tmp_path):
+    page = tmp_path / "report.html"
+    CliRunner().invoke(main, ["report", str(run_dir / "job.yaml"), "-o", str(page)])
+    base = [_chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars", "--window-size=1200,1400",
+            f"--user-data-dir={tmp_path / 'profile'}"]
+    dom = subprocess.run([*base, "--dump-dom", page.as_uri()], capture_output=True, text=True, timeout=120)
+    assert dom.returncode == 0, dom.stderr[-2000:]
+    assert 'data-rendered="6"' in dom.stdout  # the page's script ran in the browser and saw every row
+    assert dom.stdout.count("<circle") == 4 and "<polyline" in dom.stdout
+    shot = tmp_path / "report.png"
+    r = subprocess.run([*base, f"--screenshot={shot}", page.as_uri()], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", r.stderr[-2000:]
+    from PIL import Image
+
+    img = Image.open(shot).convert("RGB")
+    assert img.size == (1200, 1400)
+    colors = img.getcolors(maxcolors=1 << 20)
+    assert colors is not None and len(colors) > 50  # text, lines and points, not a blank page
+    assert any(abs(r - 0xD9) < 30 and abs(g - 0x48) < 30 and b < 60 for _, (r, g, b) in colors)  # the cache's line
