@@ -2,7 +2,8 @@
 
 Commands: ``run JOB`` (or ``run FILE... --prompt``), ``watch DIR --job JOB``,
 ``status JOB``, ``validate JOB``, ``export JOB``, ``report JOB``,
-``schema record|job``, ``samples [DIR]``.
+``schema record|job``, ``samples [DIR]``, ``ask FILE --prompt ...``,
+``cache ls|rm|prune``.
 
 Exit codes (the same for every command, so cron and scripts can branch):
 
@@ -462,6 +463,130 @@ def samples(directory: str) -> None:
     for p in paths:
         click.echo(str(p))
     click.echo(f"{len(paths)} sample documents in {directory} ({time.perf_counter() - t0:.1f} s)", err=True)
+    sys.exit(EXIT_OK)
+
+
+@main.command(epilog=EXIT_CODES_HELP)
+@click.argument("file", type=click.Path(exists=True))
+@click.option("--prompt", required=True, help="The question.")
+@click.option("--job", "job_file", type=click.Path(dir_okay=False), help="Take model, cache, context and cache_store from this job (to reuse the caches its runs stored).")
+@click.option("--model", default=None, help="Model path or hub id (default: the job's, else the built-in one).")
+@click.option("--max-tokens", type=click.IntRange(min=1), default=256, show_default=True)
+@click.option("--pages", help="Page ranges, e.g. '1-20,-5'.")
+@click.option("--json", "as_json", is_flag=True, help="Print the whole record as JSON instead of the answer.")
+@_verbose_option
+def ask(file: str, prompt: str, job_file: str | None, model: str | None, max_tokens: int, pages: str | None,
+        as_json: bool, verbose: bool) -> None:
+    """Ask one question about FILE (a PDF or an image folder), reusing its stored document cache.
+
+    The first question about a document prefills it and stores the cache;
+    later ones (and jobs with the same settings) load it instead.  Prints the
+    answer; no results file is written.
+    """
+    from pipeline.run.ask import ask as ask_document
+    from pipeline.run.ask import ask_job
+    from pipeline.run.progress import configure_logging
+
+    configure_logging(verbose)
+    base = _load(job_file, check_inputs=False) if job_file else None
+    try:
+        job = ask_job(Path(file), prompt, base=base, model=model, max_tokens=max_tokens, pages=pages)
+        record = ask_document(job)
+    except (JobFileError, PageRangeError) as e:
+        _fail(str(e), EXIT_USAGE)
+    except TqpipeError as e:
+        _fail(str(e), EXIT_FAILED)
+    if as_json:
+        import orjson
+
+        from pipeline.schema.record import json_default
+
+        click.echo(orjson.dumps(record, default=json_default).decode())
+    elif record["status"] == "ok":
+        click.echo(record["output"])
+    if record["status"] != "ok":
+        _fail(f"{file}: {record['error']['message']}", EXIT_FAILED)
+    store = record["cache"].get("doc_cache")
+    if store is not None:
+        how = (f"cache loaded in {store['load_s']:.2f} s" if store["hit"]
+               else f"prefilled in {record['timing']['prefill_s']:.1f} s" + (", cache stored" if store.get("saved") else ""))
+        click.echo(f"{record['tokens']['document']} document tokens, {how}", err=True)
+    sys.exit(EXIT_OK)
+
+
+def _store(job_file: str | None, path: str | None):
+    """The store named by --path, else by JOB's cache_store, else the default one."""
+    from pipeline.inference.doc_cache import DocCacheStore, store_for_job
+
+    if path is not None:
+        return DocCacheStore(path)
+    if job_file is not None:
+        store = store_for_job(_load(job_file, check_inputs=False))
+        if store is None:
+            _fail(f"{job_file}: cache_store.max_gb is 0 (no document-cache store)", EXIT_USAGE)
+        return store
+    return DocCacheStore()
+
+
+def _store_options(f):
+    f = click.option("--job", "job_file", type=click.Path(dir_okay=False), help="Use this job's cache_store.")(f)
+    return click.option("--path", type=click.Path(file_okay=False), help="The store folder (default: $TQPIPE_HOME/doc-caches).")(f)
+
+
+@main.group()
+def cache() -> None:
+    """The document-cache store: prefilled KV caches kept between runs."""
+
+
+@cache.command("ls")
+@_store_options
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per entry.")
+def cache_ls(job_file: str | None, path: str | None, as_json: bool) -> None:
+    """List stored document caches, least recently used first."""
+    import orjson
+
+    store = _store(job_file, path)
+    entries = store.entries()
+    for e in entries:
+        row = {"entry": e.name, "bytes": e.nbytes, "last_used": time.strftime("%Y-%m-%d %H:%M", time.localtime(e.last_used)),
+               "tokens": e.info.get("length"), "model": (e.key.get("model") or {}).get("name"),
+               "scheme": (e.key.get("cache") or {}).get("kv_quant_scheme"), "source": e.info.get("source"),
+               "error": e.error}
+        if as_json:
+            click.echo(orjson.dumps(row).decode())
+        else:
+            what = f"ERROR {e.error}" if e.error else f"{row['tokens']} tok  {row['scheme']}  {row['model']}  {row['source']}"
+            click.echo(f"{e.name[:12]}  {e.nbytes / 2**20:9.1f} MiB  {row['last_used']}  {what}")
+    if not as_json:
+        total = sum(e.nbytes for e in entries)
+        click.echo(f"{len(entries)} entries, {total / 2**30:.2f} of {store.max_bytes / 2**30:.2f} GiB in {store.root}", err=True)
+    sys.exit(EXIT_OK)
+
+
+@cache.command("rm")
+@click.argument("entries", nargs=-1)
+@click.option("--all", "remove_all", is_flag=True, help="Remove every entry.")
+@_store_options
+def cache_rm(entries: tuple[str, ...], remove_all: bool, job_file: str | None, path: str | None) -> None:
+    """Remove the entries named (by their id or a prefix of it, as `cache ls` shows)."""
+    if not entries and not remove_all:
+        _fail("name the entries to remove, or give --all", EXIT_USAGE)
+    store = _store(job_file, path)
+    gone = store.remove([e.name for e in store.entries()] if remove_all else entries)
+    click.echo(f"removed {len(gone)} entries from {store.root}", err=True)
+    sys.exit(EXIT_OK if gone or remove_all else EXIT_FAILED)
+
+
+@cache.command("prune")
+@click.option("--max-gb", type=click.FloatRange(min=0), default=None, help="Evict least recently used entries down to this size (default: the store's cap).")
+@click.option("--older-than", "older_than_days", type=click.FloatRange(min=0), default=None, help="Also remove entries unused for this many days.")
+@_store_options
+def cache_prune(max_gb: float | None, older_than_days: float | None, job_file: str | None, path: str | None) -> None:
+    """Evict down to the cap, drop stale entries and dead writers' temporary files."""
+    store = _store(job_file, path)
+    gone = store.prune(None if max_gb is None else int(max_gb * 2**30),
+                       older_than_s=None if older_than_days is None else older_than_days * 86400)
+    click.echo(f"removed {len(gone)} files; {store.total_bytes() / 2**30:.2f} GiB left in {store.root}", err=True)
     sys.exit(EXIT_OK)
 
 

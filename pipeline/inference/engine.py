@@ -23,6 +23,13 @@ own short suffix (the question) and decodes.  So the engine
    from a snapshot).  Either way the decode loop is asynchronous
    (``pipeline.decode``) and logits exist for the last position only.
 
+Document caches: with a store (``pipeline.inference.doc_cache``) and a key,
+the engine first looks the document up; a hit loads the prefilled cache and
+goes straight to the tasks (no forward pass over the document), a miss
+prefills and stores the cache before the first task, so a crash in a task
+still leaves it for the rerun.  A loaded cache is the saved one bit for bit,
+so its answers equal a fresh prefill's.
+
 Exactness of the rewind for TurboQuant: while a task runs the cache holds
 its window (``hold``: task tokens stay exact, nothing is flushed, the same
 view a batch row gets).  Restoring rather than trimming keeps that exact
@@ -57,6 +64,7 @@ from pipeline.inference.constrained import json_processor
 from pipeline.inference.kv_size import KVGeometry, exact_tokens, figures
 from pipeline.inference.decode import Row
 from pipeline.inference.decode import decode_rows as _decode
+from pipeline.inference.doc_cache import DocCacheStore, DocKey, document_key, model_identity
 from pipeline.inference.prompt import DocumentPrompt, concat_image_inputs
 
 
@@ -85,6 +93,7 @@ class _Prefilled:
     snapshot: list | None = field(default=None, repr=False)
     windows: list | None = field(default=None, repr=False)
     settled: bool = False  # TurboQuant windows trimmed to size before the first task (Engine.settle)
+    doc_cache: dict | None = None  # the store's part of the record: hit, load_s / save_s, entry
 
 
 def _make_cache(model: Any, spec: Any) -> list:
@@ -110,13 +119,18 @@ class Engine:
 
     ``prefill_count`` and ``tokens_forwarded`` count work actually done, so
     tests (and benchmarks) can check that a document is read once no matter
-    how many tasks ask about it.
+    how many tasks ask about it; ``cache_loads`` counts document caches
+    loaded from ``store`` instead.
     """
 
-    def __init__(self, loaded: Any, cache_spec: Any, *, seed: int = 0, batch_tasks: bool = True):
+    def __init__(self, loaded: Any, cache_spec: Any, *, seed: int = 0, batch_tasks: bool = True,
+                 store: DocCacheStore | None = None):
         self.loaded = loaded
         self.cache_spec = cache_spec
         self.seed = seed
+        self.store = store
+        self.cache_loads = 0
+        self._model_identity: dict | None = None
         self.batch_tasks = batch_tasks  # all tasks of a document as one batch where possible
         self.lm = loaded.model.language_model if loaded.kind == "vlm" else loaded.model
         self.backbone = getattr(self.lm, "model", None)
@@ -200,19 +214,81 @@ class Engine:
                 on_tokens(end - start)
         pos_ndim = 2 if positions is None else positions.ndim
         self.prefill_count += 1
+        return self._prefilled(total, time.perf_counter() - t0, pos_delta, pos_ndim)
+
+    def _prefilled(self, length: int, prefill_s: float, pos_delta: int | None, pos_ndim: int) -> _Prefilled:
+        """The document state of the cache now in ``self.cache``, with what a rewind needs."""
         self.allocated_after_prefill = self.cache_allocated()
-        state = _Prefilled(
-            length=total,
-            prefill_s=time.perf_counter() - t0,
-            nbytes=self.cache_nbytes(),
-            exact_tokens=exact_tokens(self.cache),
-            pos_delta=pos_delta,
-            pos_ndim=pos_ndim,
-        )
+        state = _Prefilled(length=length, prefill_s=prefill_s, nbytes=self.cache_nbytes(),
+                           exact_tokens=exact_tokens(self.cache), pos_delta=pos_delta, pos_ndim=pos_ndim)
         if not all(c.is_trimmable() for c in self.cache):
             state.snapshot = [(_copy_state(c.state), c.meta_state) for c in self.cache]
         else:
             state.windows = [c.checkpoint() if hasattr(c, "checkpoint") else None for c in self.cache]
+        return state
+
+    # -- document cache store ---------------------------------------------------
+    def document_key(self, content_hash: str, context: Any, prompt: DocumentPrompt) -> DocKey | None:
+        """The store key of ``prompt``'s document under this model and cache spec
+        (None without a store)."""
+        if self.store is None:
+            return None
+        if self._model_identity is None:
+            loaded = self.loaded
+            self._model_identity = model_identity(loaded.name, loaded.config, loaded.model,
+                                                  getattr(loaded, "model_dir", None))
+        return document_key(content_hash, context, prompt.prefix_ids, self._model_identity, self.cache_spec)
+
+    def load_cached(self, prompt: DocumentPrompt, key: DocKey, *, reserve: int = 0) -> _Prefilled | None:
+        """The document's stored cache as a prefilled state, or None on a miss.
+
+        The loaded layers must be the classes this model and cache spec
+        would build (the key says they are; a mismatch is still a miss).
+        """
+        hit = self.store.load(key, prompt.prefix_ids)
+        if hit is None:
+            return None
+        fresh = _make_cache(self.loaded.model, self.cache_spec)  # also installs the attention hook
+        if [type(c) for c in fresh] != [type(c) for c in hit.caches]:
+            self.store.discard(key, "its layer caches are not the ones this model and cache spec build")
+            return None
+        self.cache = hit.caches
+        total = len(prompt.prefix_ids)
+        for c in self.cache:
+            if hasattr(c, "reserve"):
+                c.reserve(total + reserve)
+        self.cache_loads += 1
+        state = self._prefilled(total, 0.0, hit.info.get("pos_delta"), int(hit.info.get("pos_ndim", 2)))
+        state.doc_cache = {"hit": True, "load_s": round(hit.load_s, 4), "entry": hit.path.stem}
+        return state
+
+    def save_cached(self, prompt: DocumentPrompt, key: DocKey, state: _Prefilled, info: dict | None = None) -> None:
+        """Store the freshly prefilled cache under ``key`` (errors are logged, never raised).
+
+        Settled first (as every task would settle it), so the entry holds the
+        bytes the record reports and a loaded cache's ``settle`` is a no-op."""
+        self.settle(state)
+        t0 = time.perf_counter()
+        meta = {"length": state.length, "pos_delta": state.pos_delta, "pos_ndim": state.pos_ndim,
+                "prefill_s": round(state.prefill_s, 4), **(info or {})}
+        path = self.store.save(key, self.cache, prompt.prefix_ids, meta)
+        state.doc_cache = {"hit": False, "saved": path is not None, "save_s": round(time.perf_counter() - t0, 4),
+                           "entry": key.digest()}
+
+    def prepare(self, prompt: DocumentPrompt, *, reserve: int = 0, key: DocKey | None = None,
+                info: dict | None = None, on_tokens: Callable[[int], None] | None = None) -> _Prefilled:
+        """The document in the cache: loaded from the store when it holds ``key``,
+        else prefilled (and then stored).  ``info`` goes into a new entry's listing."""
+        use_store = self.store is not None and key is not None
+        if use_store:
+            state = self.load_cached(prompt, key, reserve=reserve)
+            if state is not None:
+                if on_tokens is not None:
+                    on_tokens(state.length)
+                return state
+        state = self.prefill(prompt, reserve=reserve, on_tokens=on_tokens)
+        if use_store:
+            self.save_cached(prompt, key, state, info)
         return state
 
     def _mrope_positions(self, ids: mx.array, prompt: DocumentPrompt) -> tuple[mx.array | None, int | None]:
@@ -321,7 +397,7 @@ class Engine:
             timing=timing,
             cache=self.cache_record(state.nbytes, nbytes_end, tokens=state.length,
                                     tokens_end=state.length + len(task_ids) + len(row.tokens),
-                                    exact=state.exact_tokens),
+                                    exact=state.exact_tokens, doc_cache=state.doc_cache),
             constrained=row.processor is not None,
         )
 
@@ -373,7 +449,7 @@ class Engine:
                 for t, ids_, r in zip(tasks, task_ids, rows)]
 
     def cache_record(self, nbytes_prefill: int, nbytes_end: int | None = None, *, tokens: int | None = None,
-                     tokens_end: int | None = None, exact: int | None = None) -> dict:
+                     tokens_end: int | None = None, exact: int | None = None, doc_cache: dict | None = None) -> dict:
         """The record's ``cache`` field: scheme and widths, the bytes held after
         prefill and at the end of the task, each with the fp16 bytes for the
         same tokens (:mod:`pipeline.inference.kv_size`) so the saving is explicit."""
@@ -400,6 +476,8 @@ class Engine:
         if tokens_end is not None and nbytes_end is not None and geom is not None:
             rec["tokens_end_of_task"] = tokens_end
             rec["fp16_nbytes_end_of_task"] = geom.fp16_nbytes(tokens_end)
+        if doc_cache is not None:
+            rec["doc_cache"] = doc_cache
         return rec
 
     def iter_process(
@@ -409,11 +487,14 @@ class Engine:
         *,
         on_prefill: Callable[[int], None] | None = None,
         on_token: Callable[[int], None] | None = None,
+        key: DocKey | None = None,
+        info: dict | None = None,
     ) -> Iterator[TaskResult]:
-        """Prefill ``prompt`` once, then yield each task's result in task order:
-        all at once after a batch of rows, else each as soon as it is done."""
+        """Prefill ``prompt`` once (or load it: ``prepare``), then yield each
+        task's result in task order: all at once after a batch of rows, else
+        each as soon as it is done."""
         reserve = max(len(prompt.task_ids[t.name]) + t.max_tokens for t in tasks)
-        state = self.prefill(prompt, reserve=reserve, on_tokens=on_prefill)
+        state = self.prepare(prompt, reserve=reserve, key=key, info=info, on_tokens=on_prefill)
         try:
             if self.batch_tasks and len(tasks) > 1 and self.can_batch(state):
                 ids = [prompt.task_ids[t.name] for t in tasks]
@@ -432,9 +513,9 @@ class Engine:
             self.cache = None
             mx.clear_cache()
 
-    def process(self, prompt: DocumentPrompt, tasks: Sequence[Any]) -> list[TaskResult]:
+    def process(self, prompt: DocumentPrompt, tasks: Sequence[Any], *, key: DocKey | None = None) -> list[TaskResult]:
         """All task results of one document (see ``iter_process``)."""
-        return list(self.iter_process(prompt, tasks))
+        return list(self.iter_process(prompt, tasks, key=key))
 
 
 def _chunks(total: int, step: int, spans: Sequence[tuple[int, int, dict]]) -> Iterator[tuple[int, int, list[dict]]]:

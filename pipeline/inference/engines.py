@@ -55,6 +55,7 @@ class Engines:
 
     def get(self, needs_images: bool) -> Any:
         """The engine for a document that does (or does not) carry page images."""
+        from pipeline.inference.doc_cache import store_for_job
         from pipeline.inference.engine import Engine
 
         path = self.job.spec.model.path
@@ -76,5 +77,5 @@ class Engines:
                 logger.warning("model %s has seeded random weights: its answers are noise (every record is "
                                "marked with the random_weights warning); name a trained model in model.path",
                                loaded.name)
-            self._engines[slot] = Engine(loaded, self.job.spec.cache)
+            self._engines[slot] = Engine(loaded, self.job.spec.cache, store=store_for_job(self.job))
         return self._engines[slot]

@@ -72,6 +72,7 @@ class LoadedModel:
     tokenizer: Any  # encode(str)->list[int], decode(list[int])->str, eos_token_ids
     name: str  # recorded in results: the path / hub id, or a builtin:... name
     config: dict = field(repr=False)  # the model's config.json
+    model_dir: Path | None = None  # where the weights were read (identifies them for document caches)
     random_weights: bool = False  # seeded, untrained weights (the built-in tiny VLM): answers are noise
 
 
@@ -248,6 +249,7 @@ def load_model(path: str | None, *, needs_images: bool = False) -> LoadedModel:
         tokenizer=tokenizer,
         name=path,
         config=config,
+        model_dir=model_dir,
         random_weights=has_random_weights(model_dir),
     )
 

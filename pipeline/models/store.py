@@ -28,11 +28,16 @@ from filelock import FileLock
 MARKER = ".tqpipe-model.json"
 
 
+def tqpipe_home() -> Path:
+    """``$TQPIPE_HOME``, else ``~/.cache/tqpipe``: the root of everything tqpipe keeps
+    between runs (built models here, document caches in ``pipeline.inference.doc_cache``)."""
+    home = os.environ.get("TQPIPE_HOME")
+    return Path(home).expanduser() if home else Path.home() / ".cache" / "tqpipe"
+
+
 def models_home() -> Path:
     """``$TQPIPE_HOME/models``, else ``~/.cache/tqpipe/models``."""
-    home = os.environ.get("TQPIPE_HOME")
-    base = Path(home).expanduser() if home else Path.home() / ".cache" / "tqpipe"
-    return base / "models"
+    return tqpipe_home() / "models"
 
 
 def read_marker(path: Path) -> dict | None:

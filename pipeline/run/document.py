@@ -76,7 +76,9 @@ def process_document(
         if on_prompt is not None:
             on_prompt(prompt)
         stage = "prefill"
-        for result in engine.iter_process(prompt, tasks, on_prefill=on_prefill, on_token=on_token):
+        key = engine.document_key(digest, job.spec.context, prompt)
+        info = {"doc_id": ref.doc_id, "source": str(ref.source)}
+        for result in engine.iter_process(prompt, tasks, on_prefill=on_prefill, on_token=on_token, key=key, info=info):
             task = pending.pop(0)
             yield ok_record(job, ref, digest, task, keys[task.name], result, prompt, doc, model_name, loaded.config,
                             ingest_s, random_weights=getattr(loaded, "random_weights", False))

@@ -159,6 +159,13 @@ class ContextSpec(_Spec):
         return v
 
 
+class CacheStoreSpec(_Spec):
+    """Where prefilled document caches are kept between runs (``pipeline.inference.doc_cache``)."""
+
+    path: str | None = Field(None, description="store folder (relative to the job file); unset = $TQPIPE_HOME/doc-caches, else ~/.cache/tqpipe/doc-caches")
+    max_gb: float = Field(20.0, ge=0, description="size cap: least recently used entries are evicted first; 0 turns the store off")
+
+
 class EngineSpec(_Spec):
     """Where documents run: locally, or on Ray with these workers and retry bounds.
 
@@ -197,6 +204,7 @@ class JobSpec(_Spec):
     engine: EngineSpec = Field(EngineSpec(), description="where documents run")
     # Not in the config hash: it changes no output.
     strict: bool = Field(False, description="records with quality warnings count as failures for the exit code")
+    cache_store: CacheStoreSpec = Field(CacheStoreSpec(), description="where prefilled document caches are kept between runs")
 
     @field_validator("tasks")
     @classmethod

@@ -80,6 +80,7 @@ def write_job(root: Path, n_docs: int, *, tasks: str, workers: int = 2, max_retr
         "output: out/results.jsonl\n"
         f"engine: {{kind: ray, workers: {workers}, max_retries: {max_retries}, "
         f"max_in_flight_per_worker: {per_worker}}}\n"
+        "cache_store: {path: store}\n"  # this test's own store, shared by its workers
     )
     return job
 
@@ -282,6 +283,27 @@ def test_real_model_on_two_workers_survives_a_killed_worker(cluster, tmp_path):
     assert len({r["worker"]["pid"] for r in records}) >= 2
     for doc in {r["doc_id"] for r in records}:
         assert len({r["worker"]["pid"] for r in records if r["doc_id"] == doc}) == 1
+
+
+@pytest.mark.slow
+def test_workers_share_the_document_cache_store(cluster, tmp_path):
+    """A task added to a finished Ray job: the caches the workers stored in the
+    first run are loaded by whichever worker gets each document in the second
+    (one store folder for every worker), so no document is prefilled again."""
+    job_path = write_job(tmp_path, 4, tasks=TWO_TASKS.splitlines()[0])
+    assert RayRun(load_job(job_path), progress=False).run().done == 4
+    first = read_records(load_job(job_path).output_path)
+    assert all(not r["cache"]["doc_cache"]["hit"] and r["cache"]["doc_cache"]["saved"] for r in first)
+    assert len(list((tmp_path / "store").glob("*.safetensors"))) == 4
+
+    job_path.write_text(job_path.read_text().replace(TWO_TASKS.splitlines()[0], TWO_TASKS.replace("\n", "\n  ")))
+    job = load_job(job_path)
+    summary = RayRun(job, progress=False).run()
+    records = read_records(job.output_path)
+    assert_exactly_once(records, job)
+    added = records[4:]
+    assert summary.done == 4 and {r["task"] for r in added} == {"customer"}
+    assert all(r["cache"]["doc_cache"]["hit"] and r["timing"]["prefill_s"] == 0.0 for r in added)
 
 
 @pytest.mark.slow

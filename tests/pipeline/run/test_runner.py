@@ -101,8 +101,11 @@ def test_broken_pdf_becomes_error_records_and_the_rest_succeeds(tmp_path, docs, 
     assert summary.records_written == 2 and summary.failed == 2
 
 
-def test_editing_one_task_reruns_only_that_task(tmp_path, docs, tiny_vlm_dir):
+@pytest.mark.parametrize("store", [False, True], ids=["no-store", "store"])
+def test_editing_one_task_reruns_only_that_task(tmp_path, docs, tiny_vlm_dir, store):
     job_path = write_job(tmp_path, model=str(tiny_vlm_dir))
+    if not store:
+        job_path.write_text(job_path.read_text() + "cache_store: {max_gb: 0}\n")
     run_job(load_job(job_path), progress=False)
     job_path.write_text(job_path.read_text().replace("'Summarize.'", "'Summarize briefly.'"))
     job = load_job(job_path)
@@ -111,7 +114,11 @@ def test_editing_one_task_reruns_only_that_task(tmp_path, docs, tiny_vlm_dir):
     assert summary.records_written == 2
     new = records(job)[-2:]
     assert {r["task"] for r in new} == {"summary"} and {r["doc_id"] for r in new} == {"docs/a.pdf", "docs/b.pdf"}
-    assert engines.get(False).prefill_count == 2  # one prefill per document, not per task
+    if not store:
+        assert engines.get(False).prefill_count == 2  # one prefill per document, not per task
+    else:  # both documents' caches were stored by the first run
+        assert engines.get(False).prefill_count == 0 and engines.get(False).cache_loads == 2
+        assert all(r["cache"]["doc_cache"]["hit"] and r["timing"]["prefill_s"] == 0 for r in new)
 
 
 def test_truncation_is_stated_in_the_record(tmp_path, docs, tiny_vlm_dir):

@@ -1,0 +1,263 @@
+"""One prefilled document's KV cache as one safetensors file.
+
+File layout (safetensors: 8-byte little-endian header length, JSON header,
+raw tensor bytes)::
+
+    tensors   "prefix_ids"            int32 [n]   the document prefix's token ids
+              "kv.<layer>.<i>[.<j>]"  the array leaves of each layer's ``state``
+    metadata  "format"   "tqpipe-doc-cache"
+              "version"  FORMAT_VERSION (a file of another version is never read)
+              "key"      JSON: what the cache was computed from (the store's key fields)
+              "info"     JSON: what the engine needs to continue (document length,
+                         position offsets) plus descriptive fields for listings
+              "layers"   JSON: one class id per layer (``class_id``)
+              "leaves"   JSON: the non-array leaves of the states (ints, strings, None)
+              "crc32"    JSON: CRC-32 of every tensor's bytes
+
+A layer is saved through its own ``state`` protocol, the one mlx-lm's
+``save_prompt_cache`` uses (``TurboQuantKVCache.state`` carries its packed
+codes sliced to the packed length, norms, means, exact window and its meta
+strings), and rebuilt with ``cls.from_state``.  Only the classes in
+``_class_table`` are written or read: a file names classes, and reading must
+never import whatever a file names.  Caches that grow in steps (mlx-lm's
+``KVCache``/``QuantizedKVCache``) are sliced to their ``offset`` first, so the
+file holds the tokens and not the spare capacity.
+
+Every failure to read (missing tensors, a truncated or foreign file, another
+version, a checksum or shape mismatch) raises ``CacheFileError``: the caller
+treats the file as absent.  ``write`` is atomic: it writes a hidden temporary
+sibling, fsyncs it, renames it into place and fsyncs the folder, so a reader
+sees either no file or a whole one, and two writers of the same path each
+rename a complete file (the last one wins).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import uuid
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+from mlx.utils import tree_flatten, tree_map, tree_unflatten
+
+FORMAT = "tqpipe-doc-cache"
+FORMAT_VERSION = 1
+SUFFIX = ".safetensors"
+TEMP_MARK = ".tmp"  # temporary files: "." + name + TEMP_MARK + unique + SUFFIX
+_MAX_HEADER = 64 << 20
+
+
+class CacheFileError(Exception):
+    """A cache file that cannot be used (the message says why)."""
+
+
+class UnsupportedCache(Exception):
+    """A layer cache whose class this file format does not store."""
+
+
+def _class_table() -> dict[str, type]:
+    """Class id -> class, for every cache this format stores."""
+    from mlx_lm.models import cache as lm
+
+    from turboquant.cache import TurboQuantKVCache
+
+    table: dict[str, type] = {
+        "turboquant.TurboQuantKVCache": TurboQuantKVCache,
+        "mlx_lm.KVCache": lm.KVCache,
+        "mlx_lm.QuantizedKVCache": lm.QuantizedKVCache,
+    }
+    try:
+        from mlx_vlm.models import cache as vlm
+
+        table["mlx_vlm.KVCache"] = vlm.KVCache
+        table["mlx_vlm.QuantizedKVCache"] = vlm.QuantizedKVCache
+    except ImportError:
+        pass
+    return table
+
+
+_STEPPED = ("KVCache", "QuantizedKVCache")  # state holds spare capacity past offset
+
+
+def class_id(cache: Any) -> str:
+    """The id a layer cache is stored under; ``UnsupportedCache`` if none."""
+    for cid, cls in _class_table().items():
+        if type(cache) is cls:
+            return cid
+    raise UnsupportedCache(f"{type(cache).__module__}.{type(cache).__name__}")
+
+
+def _layer_state(cache: Any, cid: str) -> Any:
+    state = cache.state
+    if cid.split(".", 1)[1] in _STEPPED and cache.offset:
+        n = cache.offset
+        state = tree_map(lambda a: a[:, :, :n] if isinstance(a, mx.array) and a.ndim == 4 else a, state)
+    return state
+
+
+def _crc(a: mx.array) -> int:
+    """CRC-32 of a row-contiguous array's bytes (any dtype, bfloat16 included)."""
+    return zlib.crc32(memoryview(mx.view(a, mx.uint8)))
+
+
+def _dumps(obj: Any) -> str:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"))
+
+
+@dataclass
+class CacheFile:
+    """What a cache file holds, rebuilt."""
+
+    caches: list
+    prefix_ids: list[int]
+    key: dict
+    info: dict
+
+
+def write(path: Path, caches: list, prefix_ids: list[int], *, key: dict, info: dict) -> int:
+    """Write ``caches`` atomically to ``path``; returns the file's size in bytes.
+
+    Raises ``UnsupportedCache`` (before writing anything) if a layer's class
+    is not stored by this format.
+    """
+    path = Path(path)
+    ids = [class_id(c) for c in caches]
+    tensors: dict[str, mx.array] = {"prefix_ids": mx.array(list(prefix_ids), dtype=mx.int32)}
+    leaves: list[list] = []
+    for path_key, leaf in tree_flatten([_layer_state(c, cid) for c, cid in zip(caches, ids)]):
+        if isinstance(leaf, mx.array):
+            tensors[f"kv.{path_key}"] = leaf
+        elif leaf is None or isinstance(leaf, (bool, int, float, str)):
+            leaves.append([path_key, leaf])
+        else:
+            raise UnsupportedCache(f"state leaf {path_key} of type {type(leaf).__name__}")
+    tensors = {name: mx.contiguous(a) for name, a in tensors.items()}  # one copy, shared by CRC and save
+    mx.eval(list(tensors.values()))
+    metadata = {
+        "format": FORMAT,
+        "version": str(FORMAT_VERSION),
+        "key": _dumps(key),
+        "info": _dumps(info),
+        "layers": _dumps(ids),
+        "leaves": _dumps(leaves),
+        "crc32": _dumps({name: _crc(a) for name, a in tensors.items()}),
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.stem}{TEMP_MARK}{os.getpid()}-{uuid.uuid4().hex[:8]}{SUFFIX}")
+    try:
+        mx.save_safetensors(str(tmp), tensors, metadata)
+        _fsync_file(tmp)
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    _fsync_dir(path.parent)
+    return path.stat().st_size
+
+
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_dir(folder: Path) -> None:
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return  # platforms without directory handles
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def read_header(path: Path) -> tuple[dict, int]:
+    """``(metadata, expected file size)`` from the header alone (no tensor bytes read).
+
+    Checks the format name, the version and that the file is as long as its
+    header says, so listings and lookups reject truncated and foreign files
+    cheaply.
+    """
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(8)
+            if len(raw) < 8:
+                raise CacheFileError("shorter than a safetensors header")
+            (n,) = struct.unpack("<Q", raw)
+            if n > _MAX_HEADER:
+                raise CacheFileError("not a safetensors file (header length out of range)")
+            header = json.loads(f.read(n))
+        size = os.stat(path).st_size
+    except OSError as e:
+        raise CacheFileError(f"cannot read: {e}") from e
+    except ValueError as e:
+        raise CacheFileError(f"header is not JSON: {e}") from e
+    if not isinstance(header, dict):
+        raise CacheFileError("header is not a JSON object")
+    meta = header.get("__metadata__") or {}
+    if meta.get("format") != FORMAT:
+        raise CacheFileError(f"not a {FORMAT} file")
+    if meta.get("version") != str(FORMAT_VERSION):
+        raise CacheFileError(f"format version {meta.get('version')}, this tqpipe reads {FORMAT_VERSION}")
+    ends = [t["data_offsets"][1] for name, t in header.items() if name != "__metadata__"]
+    expected = 8 + n + max(ends, default=0)
+    if size != expected:
+        raise CacheFileError(f"{size} bytes, header describes {expected} (truncated or appended to)")
+    return meta, size
+
+
+def read(path: Path, *, key: dict | None = None) -> CacheFile:
+    """Load and verify a cache file; ``key`` (if given) must equal the stored one.
+
+    All tensor bytes are read and checksummed here, so a file that passes is
+    entirely in memory and a later eviction or rewrite of ``path`` cannot
+    reach the returned caches.
+    """
+    meta, _ = read_header(path)
+    try:
+        stored_key = json.loads(meta["key"])
+        info = json.loads(meta["info"])
+        ids = json.loads(meta["layers"])
+        leaves = json.loads(meta["leaves"])
+        crcs = json.loads(meta["crc32"])
+    except (KeyError, ValueError) as e:
+        raise CacheFileError(f"metadata incomplete: {e}") from e
+    if key is not None and stored_key != key:
+        diff = sorted(k for k in set(key) | set(stored_key) if key.get(k) != stored_key.get(k))
+        raise CacheFileError(f"computed from something else (differs in: {', '.join(diff)})")
+    table = _class_table()
+    unknown = [c for c in ids if c not in table]
+    if unknown:
+        raise CacheFileError(f"unknown cache classes {unknown}")
+    try:
+        arrays = mx.load(str(path))
+        mx.eval(list(arrays.values()))
+    except (RuntimeError, ValueError, OSError) as e:
+        raise CacheFileError(f"cannot load tensors: {e}") from e
+    if set(arrays) != set(crcs):
+        raise CacheFileError("tensor list does not match the checksum list")
+    for name, a in arrays.items():
+        if _crc(a) != crcs[name]:
+            raise CacheFileError(f"checksum mismatch in tensor {name!r}")
+    prefix = arrays.pop("prefix_ids")
+    flat = [(name[len("kv."):], a) for name, a in arrays.items()] + [(p, v) for p, v in leaves]
+    try:
+        states = tree_unflatten(flat)
+        if not isinstance(states, list) or len(states) != len(ids):
+            raise CacheFileError(f"{len(ids)} layers listed, states for {len(states)}")
+        caches = [table[cid].from_state(s) for cid, s in zip(ids, states)]
+    except CacheFileError:
+        raise
+    except (TypeError, ValueError, KeyError, IndexError) as e:
+        raise CacheFileError(f"cannot rebuild the caches: {type(e).__name__}: {e}") from e
+    return CacheFile(caches=caches, prefix_ids=prefix.tolist(), key=stored_key, info=info)

@@ -1,0 +1,275 @@
+"""The document-cache store: hits, misses that warn, LRU eviction, crashes and races."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+
+from pipeline.inference import kv_file
+from pipeline.inference.doc_cache import DocCacheStore, DocKey, default_store_path, token_digest
+from tiny_models import prompt_tokens, tiny_llama
+from turboquant import make_prompt_cache
+
+REPO = Path(__file__).resolve().parents[3]
+
+
+def key(**over) -> DocKey:
+    fields = dict(content_hash="c0ffee", pages=None, model={"name": "tiny", "dtype": "float32"},
+                  cache={"scheme": "turboquant", "kv_bits": 3.5, "window": 16},
+                  context={"images": "auto", "prefix": token_digest([1, 2, 3])})
+    fields.update(over)
+    return DocKey(**fields)
+
+
+@pytest.fixture(scope="module")
+def prefilled():
+    model = tiny_llama(seed=0, num_hidden_layers=2)
+    caches = make_prompt_cache(model, kv_bits=3.5, window=16)
+    toks = prompt_tokens(150)
+    model(toks[None], cache=caches)
+    mx.eval([c.state for c in caches])
+    return model, caches, toks.tolist()
+
+
+def test_miss_then_hit_after_save(tmp_path, prefilled):
+    _, caches, ids = prefilled
+    store = DocCacheStore(tmp_path)
+    assert store.load(key(), ids) is None
+    path = store.save(key(), caches, ids, {"length": len(ids)})
+    assert path == store.path_for(key()) and path.is_file()
+    hit = store.load(key(), ids)
+    assert hit is not None and hit.info == {"length": len(ids)} and hit.load_s >= 0
+    assert [c.offset for c in hit.caches] == [len(ids)] * 2
+    (entry,) = store.entries()
+    assert entry.name == key().digest() and entry.error is None and entry.nbytes == path.stat().st_size
+
+
+def test_every_key_field_separates_entries():
+    base = key()
+    variants = [key(content_hash="other"), key(pages="1-3"), key(model={"name": "other"}),
+                key(cache={"scheme": "fp16"}), key(context={"prefix": "x"}), key(version=0)]
+    assert len({base.digest(), *(v.digest() for v in variants)}) == 1 + len(variants)
+
+
+def test_default_path_follows_tqpipe_home(monkeypatch, tmp_path):
+    monkeypatch.undo()  # conftest points the default at a per-test folder
+    monkeypatch.setenv("TQPIPE_HOME", str(tmp_path))
+    assert default_store_path() == tmp_path / "doc-caches"
+    assert DocCacheStore().root == tmp_path / "doc-caches"
+
+
+def test_file_from_another_model_is_a_miss_with_a_warning(tmp_path, prefilled, caplog):
+    _, caches, ids = prefilled
+    store = DocCacheStore(tmp_path)
+    other = key(model={"name": "another-model", "dtype": "float32"})
+    shutil.copy(store.save(other, caches, ids, {}), store.path_for(key()))  # planted under our name
+    with caplog.at_level(logging.WARNING):
+        assert store.load(key(), ids) is None
+    assert "computed from something else (differs in: model)" in caplog.text
+    assert not store.path_for(key()).exists() and store.path_for(other).exists()
+
+
+def test_truncated_file_is_a_miss_with_a_warning(tmp_path, prefilled, caplog):
+    _, caches, ids = prefilled
+    store = DocCacheStore(tmp_path)
+    path = store.save(key(), caches, ids, {})
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    with caplog.at_level(logging.WARNING):
+        assert store.load(key(), ids) is None
+    assert "truncated" in caplog.text and not path.exists()
+    assert store.save(key(), caches, ids, {}) == path and store.load(key(), ids) is not None
+
+
+def test_other_prompt_tokens_are_a_miss(tmp_path, prefilled, caplog):
+    _, caches, ids = prefilled
+    store = DocCacheStore(tmp_path)
+    store.save(key(), caches, ids, {})
+    with caplog.at_level(logging.WARNING):
+        assert store.load(key(), ids[:-1] + [0]) is None
+    assert "prompt tokens differ" in caplog.text
+
+
+def test_lru_eviction_keeps_the_recently_used(tmp_path, prefilled):
+    _, caches, ids = prefilled
+    store = DocCacheStore(tmp_path)
+    paths = [store.save(key(content_hash=f"d{i}"), caches, ids, {}) for i in range(3)]
+    size = paths[0].stat().st_size
+    for age, p in enumerate(reversed(paths)):  # d0 oldest ... d2 newest
+        os.utime(p, (time.time() - 100 * (age + 1),) * 2)
+    assert store.load(key(content_hash="d0"), ids) is not None  # d0 becomes the newest
+    store.max_bytes = 3 * size  # room for three of the four
+    new = store.save(key(content_hash="d3"), caches, ids, {})
+    names = {e.name for e in store.entries()}
+    assert names == {key(content_hash=h).digest() for h in ("d0", "d2", "d3")}
+    assert new.exists() and store.total_bytes() <= store.max_bytes
+    os.utime(new, (time.time() + 10,) * 2)  # beyond the clock tick that d0's touch shares
+    assert store.prune(max_bytes=size) == [key(content_hash=h).digest() for h in ("d2", "d0")]
+    assert [e.name for e in store.entries()] == [key(content_hash="d3").digest()]
+
+
+def test_cache_larger_than_the_cap_is_not_stored(tmp_path, prefilled):
+    _, caches, ids = prefilled
+    store = DocCacheStore(tmp_path, max_bytes=1000)
+    assert store.save(key(), caches, ids, {}) is None and store.entries() == []
+
+
+def test_remove_by_prefix(tmp_path, prefilled):
+    _, caches, ids = prefilled
+    store = DocCacheStore(tmp_path)
+    a = store.save(key(content_hash="a"), caches, ids, {})
+    store.save(key(content_hash="b"), caches, ids, {})
+    assert store.remove([a.stem[:8]]) == [a.stem]
+    assert len(store.entries()) == 1
+
+
+_WRITER = textwrap.dedent("""
+    import sys, time, os
+    sys.path[:0] = [{repo!r}, {tests!r}]
+    import turboquant
+    import mlx.core as mx
+    from pipeline.inference import kv_file
+    from pipeline.inference.doc_cache import DocCacheStore, DocKey
+    from tiny_models import prompt_tokens, tiny_llama
+    from turboquant import make_prompt_cache
+    model = tiny_llama(seed=0, num_hidden_layers=2)
+    caches = make_prompt_cache(model, kv_bits=3.5, window=16)
+    toks = prompt_tokens(150)
+    model(toks[None], cache=caches)
+    mx.eval([c.state for c in caches])
+    mode, root = sys.argv[1], sys.argv[2]
+    key = DocKey(content_hash="c0ffee", pages=None, model={{}}, cache={{}}, context={{}})
+    if mode == "hang":  # stop between the complete temp file and the rename
+        def hang(path):
+            open(os.path.join(root, "READY"), "w").close()
+            time.sleep(600)
+        kv_file._fsync_file = hang
+        DocCacheStore(root).save(key, caches, toks.tolist(), {{}})
+    else:  # write the same key over and over
+        open(os.path.join(root, f"READY-{{os.getpid()}}"), "w").close()
+        for _ in range(int(mode)):
+            kv_file.write(DocCacheStore(root).path_for(key), caches, toks.tolist(), key=key.fields(), info={{}})
+""")
+
+
+def _spawn(tmp_path, mode, root):
+    script = tmp_path / "writer.py"
+    script.write_text(_WRITER.format(repo=str(REPO), tests=str(REPO / "tests")))
+    return subprocess.Popen([sys.executable, str(script), mode, str(root)])
+
+
+def _wait_for(pred, timeout=120.0):
+    end = time.time() + timeout
+    while time.time() < end:
+        if pred():
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def test_kill_9_during_a_save_leaves_no_visible_entry(tmp_path, prefilled):
+    root = tmp_path / "store"
+    root.mkdir()
+    proc = _spawn(tmp_path, "hang", root)
+    try:
+        assert _wait_for(lambda: (root / "READY").exists())
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        proc.wait(timeout=30)
+    (root / "READY").unlink()
+    temps = [p for p in root.iterdir()]
+    assert len(temps) == 1 and temps[0].name.startswith(".")  # the dead writer's temporary file
+    store = DocCacheStore(root)
+    _, caches, ids = prefilled
+    k = DocKey(content_hash="c0ffee", pages=None, model={}, cache={}, context={})
+    assert store.entries() == [] and store.load(k, ids) is None
+    assert store.prune() == []  # too young to be a dead writer's
+    os.utime(temps[0], (time.time() - 7200,) * 2)
+    assert store.prune() == [temps[0].name] and list(root.iterdir()) == []
+    assert store.save(k, caches, ids, {}) is not None and store.load(k, ids) is not None
+
+
+def test_two_writers_of_one_key_never_expose_a_broken_file(tmp_path, prefilled):
+    root = tmp_path / "store"
+    root.mkdir()
+    procs = [_spawn(tmp_path, "6", root) for _ in range(2)]
+    _, _, ids = prefilled
+    k = DocKey(content_hash="c0ffee", pages=None, model={}, cache={}, context={})
+    path = DocCacheStore(root).path_for(k)
+    reads = 0
+    try:
+        assert _wait_for(lambda: len(list(root.glob("READY-*"))) == 2)
+        while any(p.poll() is None for p in procs):
+            if path.exists():
+                got = kv_file.read(path, key=k.fields())  # raises if ever partial
+                assert got.prefix_ids == ids
+                reads += 1
+    finally:
+        for p in procs:
+            p.wait(timeout=120)
+    assert all(p.returncode == 0 for p in procs)
+    assert reads > 0  # the reader did overlap the writers
+    assert kv_file.read(path, key=k.fields()).prefix_ids == ids
+    assert sorted(p.name for p in root.iterdir() if not p.name.startswith("READY")) == [path.name]
+
+
+def test_document_key_separates_what_changes_the_cache(tmp_path):
+    from pipeline.inference.doc_cache import document_key, model_identity
+    from pipeline.schema.job import CacheSpec, ContextSpec
+
+    model = model_identity("m", {"model_type": "llama"})
+    base = document_key("sha256:a", ContextSpec(), [1, 2, 3], model, CacheSpec())
+    assert base == document_key("sha256:a", ContextSpec(max_tokens=999), [1, 2, 3], model, CacheSpec())
+    others = [
+        document_key("sha256:b", ContextSpec(), [1, 2, 3], model, CacheSpec()),
+        document_key("sha256:a", ContextSpec(pages="1-2"), [1, 2, 3], model, CacheSpec()),
+        document_key("sha256:a", ContextSpec(dpi=144), [1, 2, 3], model, CacheSpec()),
+        document_key("sha256:a", ContextSpec(), [1, 2, 4], model, CacheSpec()),
+        document_key("sha256:a", ContextSpec(), [1, 2, 3], model_identity("n", {}), CacheSpec()),
+        document_key("sha256:a", ContextSpec(), [1, 2, 3], model, CacheSpec(kv_bits=3)),
+        document_key("sha256:a", ContextSpec(), [1, 2, 3], model, CacheSpec(prefill_chunk=256)),
+        document_key("sha256:a", ContextSpec(), [1, 2, 3], model, CacheSpec(quantizer="tcq")),
+    ]
+    assert len({base.digest(), *(k.digest() for k in others)}) == 1 + len(others)
+
+
+def test_model_identity_follows_the_weight_files(tmp_path):
+    from pipeline.inference.doc_cache import model_identity
+
+    (tmp_path / "model.safetensors").write_bytes(b"x" * 10)
+    a = model_identity("m", {}, model_dir=tmp_path)
+    assert a == model_identity("m", {}, model_dir=tmp_path) and a["device"] and a["mlx"]
+    (tmp_path / "model.safetensors").write_bytes(b"y" * 11)
+    assert model_identity("m", {}, model_dir=tmp_path)["weights"] != a["weights"]
+
+
+def test_a_store_that_cannot_be_written_is_a_warning(tmp_path, prefilled, caplog):
+    _, caches, ids = prefilled
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("x")
+    with caplog.at_level(logging.WARNING):
+        assert DocCacheStore(blocker).save(key(), caches, ids, {}) is None
+    assert "document cache not stored" in caplog.text
+
+
+def test_any_error_while_reading_is_a_miss(tmp_path, prefilled, caplog, monkeypatch):
+    _, caches, ids = prefilled
+    store = DocCacheStore(tmp_path)
+    store.save(key(), caches, ids, {})
+
+    def broken(*a, **k):
+        raise RuntimeError("unexpected")
+
+    monkeypatch.setattr(kv_file, "read", broken)
+    with caplog.at_level(logging.WARNING):
+        assert store.load(key(), ids) is None
+    assert "RuntimeError: unexpected" in caplog.text and not store.path_for(key()).exists()

@@ -1,0 +1,161 @@
+"""kv_file: a prefilled cache round-trips bit-exactly and every bad file is refused."""
+
+from __future__ import annotations
+
+import json
+import struct
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache
+
+from pipeline.inference import kv_file
+from pipeline.inference.kv_file import CacheFileError, UnsupportedCache
+from tiny_models import prompt_tokens, tiny_llama
+from turboquant import TurboQuantKVCache, make_prompt_cache
+
+KEY = {"doc": "abc", "version": kv_file.FORMAT_VERSION}
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_llama(seed=0, num_hidden_layers=2)
+
+
+def prefill(model, scheme: str, n: int = 300, **opts):
+    caches = make_prompt_cache(model, kv_quant_scheme=scheme, **opts)
+    toks = prompt_tokens(n)
+    for s in range(0, n, 128):
+        model(toks[None, s : s + 128], cache=caches)
+        mx.eval([c.state for c in caches])
+    return caches, toks.tolist()
+
+
+def greedy(model, caches, start: int, steps: int = 6) -> list[int]:
+    out, tok = [], start
+    for _ in range(steps):
+        logits = model(mx.array([[tok]]), cache=caches)
+        tok = int(mx.argmax(logits[0, -1]).item())
+        out.append(tok)
+    return out
+
+
+@pytest.mark.parametrize("scheme,opts", [
+    ("turboquant", {"kv_bits": 3.5, "window": 32}),
+    ("turboquant", {"kv_bits": 2.5, "window": 0}),
+    ("fp16", {}),
+    ("affine", {"kv_bits": 4, "affine_group_size": 32}),
+])
+def test_round_trip_continues_exactly_like_the_original(tmp_path, model, scheme, opts):
+    caches, ids = prefill(model, scheme, **opts)
+    path = tmp_path / "c.safetensors"
+    nbytes = kv_file.write(path, caches, ids, key=KEY, info={"length": len(ids)})
+    assert nbytes == path.stat().st_size
+    got = kv_file.read(path, key=KEY)
+    assert got.prefix_ids == ids and got.info == {"length": len(ids)} and got.key == KEY
+    assert [type(c) for c in got.caches] == [type(c) for c in caches]
+    assert [c.offset for c in got.caches] == [len(ids)] * len(caches)
+    assert greedy(model, got.caches, ids[-1]) == greedy(model, caches, ids[-1])
+
+
+def test_turboquant_file_holds_the_used_bytes_only(tmp_path, model):
+    caches, ids = prefill(model, "turboquant", n=600, kv_bits=3.5, window=64)
+    for c in caches:
+        c.reserve(4096)  # spare capacity is not written
+    path = tmp_path / "c.safetensors"
+    kv_file.write(path, caches, ids, key=KEY, info={})
+    used = sum(c.used_nbytes for c in caches)
+    assert used < path.stat().st_size < used * 1.05 + 4 * len(ids) + 16384
+    back = kv_file.read(path).caches
+    assert all(b.packed_len == c.packed_len and b.window_len == c.window_len for b, c in zip(back, caches))
+
+
+def test_stepped_caches_are_written_without_spare_capacity(tmp_path, model):
+    caches, ids = prefill(model, "fp16", n=300)  # KVCache holds 384 slots
+    path = tmp_path / "c.safetensors"
+    kv_file.write(path, caches, ids, key=KEY, info={})
+    assert path.stat().st_size < sum(c.nbytes for c in caches) * 300 / 384 * 1.02
+
+
+def test_unsupported_layer_class_writes_nothing(tmp_path):
+    with pytest.raises(UnsupportedCache):
+        kv_file.write(tmp_path / "c.safetensors", [RotatingKVCache(max_size=8)], [1], key=KEY, info={})
+    assert list(tmp_path.iterdir()) == []
+
+
+def _written(tmp_path, model):
+    caches, ids = prefill(model, "turboquant", n=200, kv_bits=3, window=16)
+    path = tmp_path / "c.safetensors"
+    kv_file.write(path, caches, ids, key=KEY, info={})
+    return path
+
+
+def test_truncated_file_is_refused(tmp_path, model):
+    path = _written(tmp_path, model)
+    data = path.read_bytes()
+    for cut in (3, 100, len(data) // 2, len(data) - 1):
+        path.write_bytes(data[:cut])
+        with pytest.raises(CacheFileError):
+            kv_file.read(path, key=KEY)
+
+
+def test_flipped_byte_fails_the_checksum(tmp_path, model):
+    path = _written(tmp_path, model)
+    data = bytearray(path.read_bytes())
+    data[-10] ^= 0x40
+    path.write_bytes(bytes(data))
+    with pytest.raises(CacheFileError, match="checksum"):
+        kv_file.read(path, key=KEY)
+
+
+def test_another_key_or_version_or_format_is_refused(tmp_path, model):
+    path = _written(tmp_path, model)
+    with pytest.raises(CacheFileError, match="differs in: doc"):
+        kv_file.read(path, key={**KEY, "doc": "other"})
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8 : 8 + n])
+    for field, value, match in (("version", "999", "version 999"), ("format", "x", "not a")):
+        h = json.loads(json.dumps(header))
+        h["__metadata__"][field] = value
+        blob = json.dumps(h).encode()
+        path.write_bytes(struct.pack("<Q", len(blob)) + blob + raw[8 + n :])
+        with pytest.raises(CacheFileError, match=match):
+            kv_file.read(path, key=KEY)
+    path.write_bytes(b"not a cache at all")
+    with pytest.raises(CacheFileError):
+        kv_file.read(path)
+
+
+def test_a_file_naming_an_unknown_class_is_refused(tmp_path, model):
+    path = _written(tmp_path, model)
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8 : 8 + n])
+    header["__metadata__"]["layers"] = json.dumps(["os.system", "os.system"])
+    blob = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(blob)) + blob + raw[8 + n :])
+    with pytest.raises(CacheFileError, match="unknown cache classes"):
+        kv_file.read(path)
+
+
+def test_write_leaves_no_temporary_file(tmp_path, model):
+    path = _written(tmp_path, model)
+    assert [p.name for p in tmp_path.iterdir()] == [path.name]
+
+
+def test_class_ids():
+    assert kv_file.class_id(TurboQuantKVCache()) == "turboquant.TurboQuantKVCache"
+    assert kv_file.class_id(KVCache()) == "mlx_lm.KVCache"
+    assert kv_file.class_id(QuantizedKVCache()) == "mlx_lm.QuantizedKVCache"
+
+
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
+def test_half_precision_caches_round_trip_bit_exactly(tmp_path, dtype):
+    cache = KVCache()
+    k = mx.random.normal((1, 2, 40, 64)).astype(dtype)
+    cache.update_and_fetch(k, -k)
+    kv_file.write(tmp_path / "c.safetensors", [cache], [1, 2], key=KEY, info={})
+    (back,) = kv_file.read(tmp_path / "c.safetensors", key=KEY).caches
+    assert back.keys.dtype == dtype and back.offset == 40
+    assert mx.array_equal(back.keys, k).item() and mx.array_equal(back.values, -k).item()

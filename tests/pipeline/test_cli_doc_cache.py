@@ -1,0 +1,88 @@
+"""tqpipe with the document-cache store: a rerun with one more task loads, `ask`, `cache ls|rm|prune`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import orjson
+from click.testing import CliRunner
+from fixtures_models import *  # noqa: F403
+
+from pipeline.cli import main
+from pipeline.inputs.samples import make_text_pdf
+
+
+def make_job(tmp_path: Path, model: Path, tasks: int) -> Path:
+    d = tmp_path / "docs"
+    d.mkdir(exist_ok=True)
+    for i in range(2):
+        make_text_pdf(d / f"doc{i}.pdf", [f"Document {i}, page {p}. The code word is alpha{i}{p}." for p in range(1, 4)])
+    task_lines = "".join(f"  - {{name: t{j}, prompt: 'Question {j}?', max_tokens: 3}}\n" for j in range(tasks))
+    job = tmp_path / "job.yaml"
+    job.write_text(
+        f"name: cli\ninputs: [docs/]\nmodel: {{path: '{model}'}}\n"
+        "cache: {kv_quant_scheme: turboquant, kv_bits: 3.5, prefill_chunk: 64}\n"
+        f"tasks:\n{task_lines}output: out/results.jsonl\ncache_store: {{path: store, max_gb: 1}}\n"
+    )
+    return job
+
+
+def records(job: Path) -> list[dict]:
+    return [orjson.loads(line) for line in (job.parent / "out/results.jsonl").read_bytes().splitlines()]
+
+
+def invoke(*args: str):
+    return CliRunner().invoke(main, list(args), catch_exceptions=False)
+
+
+def test_added_task_loads_the_stored_caches_then_ask_and_cache_commands(tmp_path, tiny_vlm_dir):
+    job = make_job(tmp_path, tiny_vlm_dir, tasks=1)
+    assert invoke("run", str(job), "--no-progress").exit_code == 0
+    first = records(job)
+    assert [r["cache"]["doc_cache"]["hit"] for r in first] == [False, False]
+    assert all(r["cache"]["doc_cache"]["saved"] and r["timing"]["prefill_s"] > 0 for r in first)
+
+    ls = invoke("cache", "ls", "--job", str(job), "--json")
+    rows = [orjson.loads(line) for line in ls.stdout.splitlines()]
+    assert ls.exit_code == 0 and len(rows) == 2 and all(r["error"] is None and r["tokens"] > 0 for r in rows)
+    assert {Path(r["source"]).name for r in rows} == {"doc0.pdf", "doc1.pdf"}
+
+    make_job(tmp_path, tiny_vlm_dir, tasks=2)  # one more task
+    assert invoke("run", str(job), "--no-progress").exit_code == 0
+    added = records(job)[2:]
+    assert [r["task"] for r in added] == ["t1", "t1"]
+    assert all(r["cache"]["doc_cache"]["hit"] and r["timing"]["prefill_s"] == 0.0 for r in added)
+    assert all(r["cache"]["doc_cache"]["load_s"] >= 0 for r in added)
+
+    doc0 = next(r for r in added if r["doc_id"] == "docs/doc0.pdf")
+    r = invoke("ask", str(tmp_path / "docs/doc0.pdf"), "--prompt", "Question 1?", "--max-tokens", "3",
+               "--job", str(job), "--json")
+    asked = orjson.loads(r.stdout.splitlines()[0])
+    assert r.exit_code == 0 and asked["cache"]["doc_cache"]["hit"] is True
+    assert asked["output"] == doc0["output"] and asked["content_hash"] == doc0["content_hash"]
+    assert len(records(job)) == 4  # ask writes no record
+
+    rm = invoke("cache", "rm", rows[0]["entry"][:10], "--job", str(job))
+    assert rm.exit_code == 0 and len(list((tmp_path / "store").glob("*.safetensors"))) == 1
+    assert invoke("cache", "rm", "--job", str(job)).exit_code == 2  # nothing named
+    assert invoke("cache", "prune", "--max-gb", "0", "--path", str(tmp_path / "store")).exit_code == 0
+    assert list((tmp_path / "store").glob("*.safetensors")) == []
+
+
+def test_ask_without_a_job_stores_then_loads(tmp_path, tiny_vlm_dir, _isolated_doc_caches):
+    make_text_pdf(tmp_path / "a.pdf", ["The harbor report. Revenue grew by 12 percent.", "Author: Ada Lovelace."])
+    args = ("ask", str(tmp_path / "a.pdf"), "--prompt", "Who wrote it?", "--model", str(tiny_vlm_dir),
+            "--max-tokens", "4", "--json")
+    one, two = (orjson.loads(invoke(*args).stdout.splitlines()[0]) for _ in range(2))
+    assert one["cache"]["doc_cache"]["hit"] is False and two["cache"]["doc_cache"]["hit"] is True
+    assert one["output"] == two["output"] and one["status"] == two["status"] == "ok"
+    assert len(list(_isolated_doc_caches.glob("*.safetensors"))) == 1  # the default store
+
+
+def test_ask_plain_output_and_a_store_that_is_off(tmp_path, tiny_vlm_dir):
+    make_text_pdf(tmp_path / "a.pdf", ["Page one."])
+    r = invoke("ask", str(tmp_path / "a.pdf"), "--prompt", "Hi?", "--model", str(tiny_vlm_dir), "--max-tokens", "2")
+    assert r.exit_code == 0 and "document tokens, prefilled in" in r.output
+    job = tmp_path / "off.yaml"
+    job.write_text("name: off\ninputs: [a.pdf]\ntasks: [{name: a, prompt: p}]\noutput: o.jsonl\ncache_store: {max_gb: 0}\n")
+    assert invoke("cache", "ls", "--job", str(job)).exit_code == 2
