@@ -16,16 +16,16 @@ the store in the work folder (``cache_store.path``):
 
 Where each key comes from (the records, nothing re-timed):
 
-* ``prefill_s``: run 1's ``timing.prefill_s`` (chunked prefill of the document);
-* ``save_s`` / ``load_s``: ``cache.doc_cache.save_s`` of run 1 / ``load_s`` of run 2
+* ``prefill_s``: the storing run's ``timing.prefill_s`` (chunked prefill of the document);
+* ``save_s`` / ``load_s``: ``cache.doc_cache.save_s`` of the storing run / ``load_s`` of the added-task run
   (load = read + CRC-32 of every tensor + rebuilding the layer caches);
-* ``ttft_fresh_s`` = run 3's ``ingest_s + prefill_s + task_prefill_s``;
-  ``ttft_cached_s`` = run 2's ``ingest_s + load_s + task_prefill_s``: from the
+* ``ttft_fresh_s`` = the reference run's ``ingest_s + prefill_s + task_prefill_s``;
+  ``ttft_cached_s`` = the added-task run's ``ingest_s + load_s + task_prefill_s``: from the
   start of the document to its first generated token, model load excluded
   (it is the same in both) and so is tokenization (not in the records);
-* ``bytes_on_disk``: the store entry's file size; ``bytes_in_memory``: run 1's
+* ``bytes_on_disk``: the store entry's file size; ``bytes_in_memory``: the storing run's
   ``cache.nbytes_after_prefill`` (the bytes the cache holds for its tokens);
-* ``identical``: run 2's answer == run 3's answer.
+* ``identical``: the added-task run's answer == the reference run's answer.
 
 ``--tiny`` is the CPU smoke test: 2 pages, chunks of 128, 4 new tokens.
 """
@@ -137,10 +137,10 @@ def measure(work: Path, *, pages: int, chunk: int, kv_bits: float, task_tokens: 
 def report(r: dict) -> str:
     return "\n".join([
         f"document: {r['pages']} pages, {r['tokens']} tokens (TurboQuant cache)",
-        f"run 1 (one task): prefill {r['prefill_s']:.2f} s, store write {r['save_s']:.2f} s",
-        f"run 3 (added task, store off): time to first token {r['ttft_fresh_s']:.2f} s",
-        f"run 2 (task added): load {r['load_s']:.3f} s (hit={r['cache_hit']}, prefill {r['rerun_prefill_s']} s), "
-        f"time to first token {r['ttft_cached_s']:.3f} s = {100 * r['ttft_cached_s'] / r['prefill_s']:.2f}% of run 1's prefill",
+        f"storing run (one task): prefill {r['prefill_s']:.2f} s, store write {r['save_s']:.2f} s",
+        f"reference run (added task, store off): time to first token {r['ttft_fresh_s']:.2f} s",
+        f"added-task run: load {r['load_s']:.3f} s (hit={r['cache_hit']}, prefill {r['rerun_prefill_s']} s), "
+        f"time to first token {r['ttft_cached_s']:.3f} s = {100 * r['ttft_cached_s'] / r['prefill_s']:.2f}% of the storing run's prefill",
         f"bytes: {r['bytes_on_disk']} on disk vs {r['bytes_in_memory']} in memory "
         f"({r['disk_per_token']:.1f} vs {r['memory_per_token']:.1f} per token, {r['bytes_on_disk'] / r['bytes_in_memory']:.4f}x)",
         f"identical answers: {r['identical']} ({r['answer_cached']!r} vs {r['answer_fresh']!r})",
