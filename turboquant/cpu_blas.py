@@ -26,9 +26,11 @@ def _candidates() -> list[str]:
         return [explicit]
     found: list[str] = []
     purelib = sysconfig.get_paths()["purelib"]
-    # opencv-python (a dependency of mlx-vlm) bundles a full OpenBLAS with
-    # unprefixed symbols; system packages are the fallback.
-    found += sorted(glob.glob(os.path.join(purelib, "opencv_python.libs", "libopenblas*.so*")))
+    # opencv-python (mlx-vlm's) and opencv-python-headless (rapidocr's, so every
+    # install) bundle a full OpenBLAS with unprefixed symbols; system packages
+    # are the fallback.
+    for wheel in ("opencv_python.libs", "opencv_python_headless.libs"):
+        found += sorted(glob.glob(os.path.join(purelib, wheel, "libopenblas*.so*")))
     found += sorted(glob.glob("/usr/lib/x86_64-linux-gnu/libopenblas*.so*"))
     found += sorted(glob.glob("/usr/lib/aarch64-linux-gnu/libopenblas*.so*"))
     return found
