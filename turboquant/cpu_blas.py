@@ -45,15 +45,6 @@ def enable_fast_cpu_blas() -> str | None:
         return None
     if "mlx.core" in sys.modules:
         return None  # too late: MLX resolved its BLAS symbols at import
-    # OpenBLAS's idle workers spin on sched_yield for 2^28 cycles after each
-    # product before sleeping.  The TurboQuant attention issues thousands of
-    # small products with MLX element-wise work between them, so on 2 cores the
-    # spinning worker took ~1/3 of the process's CPU time as system time and
-    # competed with the thread doing the work; 2^4 cycles (OpenBLAS's minimum)
-    # lets it sleep at once.  The products themselves, and their results, are
-    # unchanged.  Read by OpenBLAS when it loads, hence here; a value already
-    # in the environment is OpenBLAS's own setting and wins.
-    os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
     for path in _candidates():
         try:
             ctypes.CDLL(path, mode=os.RTLD_GLOBAL | os.RTLD_NOW)
