@@ -9,22 +9,7 @@ from pipeline.inputs.ingest import ingest
 from pipeline.inputs.job_file import load_job
 from pipeline.inputs.samples import make_image_set, make_text_pdf, write_samples
 from pipeline.schema.job import ContextSpec
-
-
-@pytest.fixture(scope="module")
-def samples(tmp_path_factory) -> Path:
-    d = tmp_path_factory.mktemp("samples")
-    write_samples(d)
-    return d
-
-
-def pdf_ref(path: Path) -> DocumentRef:
-    return DocumentRef(source=path, kind="pdf", doc_id=path.name)
-
-
-def job_in(d: Path, inputs: str):
-    (d / "job.yaml").write_text(f"name: t\ninputs: {inputs}\ntasks: [{{name: a, prompt: hi}}]\noutput: o.jsonl\n")
-    return load_job(d / "job.yaml")
+from input_refs import pdf_ref, job_in  # noqa: E402  (tests/pipeline/inputs)
 
 
 # -- discovery --------------------------------------------------------------

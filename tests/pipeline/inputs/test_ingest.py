@@ -23,27 +23,12 @@ from pipeline.inputs.samples import (
     make_text_pdf,
     write_samples,
 )
+from input_refs import pdf_ref, job_in  # noqa: E402  (tests/pipeline/inputs)
 
 EMPTY_PDF = (
     b"%PDF-1.4\n1 0 obj\n<< /Type /Catalog /Pages 2 0 R >>\nendobj\n"
     b"2 0 obj\n<< /Type /Pages /Kids [] /Count 0 >>\nendobj\ntrailer\n<< /Root 1 0 R >>\n%%EOF\n"
 )
-
-
-@pytest.fixture(scope="module")
-def samples(tmp_path_factory) -> Path:
-    d = tmp_path_factory.mktemp("samples")
-    write_samples(d)
-    return d
-
-
-def pdf_ref(path: Path) -> DocumentRef:
-    return DocumentRef(source=path, kind="pdf", doc_id=path.name)
-
-
-def job_in(d: Path, inputs: str):
-    (d / "job.yaml").write_text(f"name: t\ninputs: {inputs}\ntasks: [{{name: a, prompt: hi}}]\noutput: o.jsonl\n")
-    return load_job(d / "job.yaml")
 
 
 # -- text, scanned and image documents -----------------------------------------

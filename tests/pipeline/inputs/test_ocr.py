@@ -10,17 +10,7 @@ from pipeline.inputs.ingest import ingest
 from pipeline.inputs.job_file import load_job
 from pipeline.inputs.samples import IMAGESET_PAGES, SAMPLE_FACTS, write_samples
 from pipeline.schema.job import ContextSpec
-
-
-@pytest.fixture(scope="module")
-def samples(tmp_path_factory) -> Path:
-    d = tmp_path_factory.mktemp("samples")
-    write_samples(d)
-    return d
-
-
-def pdf_ref(path: Path) -> DocumentRef:
-    return DocumentRef(source=path, kind="pdf", doc_id=path.name)
+from input_refs import pdf_ref  # noqa: E402  (tests/pipeline/inputs)
 
 
 @pytest.mark.parametrize(
