@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import mlx.core as mx
 import pytest
 from mlx_lm.models import llama
@@ -12,26 +10,10 @@ from pipeline.inference.doc_cache import DocCacheStore, DocKey, token_digest
 from pipeline.inference.engine import Engine
 from pipeline.inference.prompt import DocumentPrompt
 from pipeline.schema.job import CacheSpec, TaskSpec
+from test_engine import FakeTokenizer, Loaded  # noqa: E402  (the engine tests' stand-ins)
 
 VOCAB = 96
 TASKS = [TaskSpec(name="a", prompt="x", max_tokens=6), TaskSpec(name="bb", prompt="y", max_tokens=5)]
-
-
-class FakeTokenizer:
-    eos_token_ids = {1}
-
-    def decode(self, ids):
-        return " ".join(f"t{i}" for i in ids)
-
-
-@dataclass
-class Loaded:
-    model: object
-    tokenizer: object
-    kind: str = "text"
-    name: str = "test:tiny-llama"
-    processor: object = None
-    config: dict = None
 
 
 def tiny_llama(seed: int = 0, **overrides) -> Loaded:
