@@ -1,7 +1,7 @@
 """One task added to a finished job: the rerun loads the stored document cache instead of prefilling.
 
     python -m benchmarks.document_cache [--pages 18] [--chunk 512] [--kv-bits 3.5] [--task-tokens 16]
-                                        [--model PATH] [--keep DIR] [--tiny] [--json]
+                                        [--model PATH] [--context-tokens 8192] [--keep DIR] [--tiny] [--json]
 
 Generates a ``--pages``-page text PDF (``pipeline.inputs.samples.make_long_pdf``,
 ~430 tokens a page, so 18 pages fill most of the built-in SmolLM2's 8192-token
@@ -47,7 +47,7 @@ TASKS = (("first_task", "What is the code word for page 2? Answer with the word 
 
 
 def job_yaml(name: str, tasks: tuple, *, store: str | None, kv_bits: float, chunk: int,
-             task_tokens: int, output: str, model: str | None = None) -> str:
+             task_tokens: int, output: str, model: str | None = None, context_tokens: int = 8192) -> str:
     lines = "".join(f"  - {{name: {t}, prompt: '{q}', max_tokens: {task_tokens}}}\n" for t, q in tasks)
     store_line = f"cache_store: {{path: {store}}}\n" if store else "cache_store: {max_gb: 0}\n"
     return (
@@ -55,7 +55,7 @@ def job_yaml(name: str, tasks: tuple, *, store: str | None, kv_bits: float, chun
         "inputs: [docs/long.pdf]\n"
         + (f"model: {{path: '{model}'}}\n" if model else "")
         + f"cache: {{kv_quant_scheme: turboquant, kv_bits: {kv_bits:g}, prefill_chunk: {chunk}}}\n"
-        "context: {max_tokens: 8192, overflow: truncate}\n"
+        f"context: {{max_tokens: {context_tokens}, overflow: truncate}}\n"
         f"tasks:\n{lines}"
         f"output: {output}\n"
         f"{store_line}"
@@ -76,13 +76,13 @@ def _records(path: Path) -> list[dict]:
 
 
 def measure(work: Path, *, pages: int, chunk: int, kv_bits: float, task_tokens: int,
-            model: str | None = None, echo=print) -> dict:
+            model: str | None = None, context_tokens: int = 8192, echo=print) -> dict:
     """Run the three jobs in ``work`` and return the result keys."""
     from pipeline.inputs.samples import make_long_pdf
 
     (work / "docs").mkdir(parents=True, exist_ok=True)
     make_long_pdf(work / "docs" / "long.pdf", pages)
-    opts = dict(kv_bits=kv_bits, chunk=chunk, task_tokens=task_tokens, model=model)
+    opts = dict(kv_bits=kv_bits, chunk=chunk, task_tokens=task_tokens, model=model, context_tokens=context_tokens)
     store = work / "store"
     runs = {
         "first": job_yaml("doc-cache", TASKS[:1], store=str(store), output="results.jsonl", **opts),
@@ -154,6 +154,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--kv-bits", type=float, default=3.5)
     ap.add_argument("--task-tokens", type=int, default=16)
     ap.add_argument("--model", help="model.path (default: the built-in SmolLM2-135M-Instruct)")
+    ap.add_argument("--context-tokens", type=int, default=8192,
+                    help="context.max_tokens (capped at the model's own limit: 8192 for SmolLM2)")
     ap.add_argument("--tiny", action="store_true", help="CPU smoke test: 2 pages, chunks of 128, 4 tokens")
     ap.add_argument("--keep", type=Path, help="work in this folder (kept) instead of a temp dir")
     ap.add_argument("--json", action="store_true", help="print the result as JSON on the last line")
@@ -163,7 +165,7 @@ def main(argv: list[str] | None = None) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         work = args.keep or Path(tmp)
         result = measure(work, pages=args.pages, chunk=args.chunk, kv_bits=args.kv_bits,
-                         task_tokens=args.task_tokens, model=args.model)
+                         task_tokens=args.task_tokens, model=args.model, context_tokens=args.context_tokens)
     result["args"] = {k: str(v) for k, v in vars(args).items()}
     print(report(result))
     if args.json:

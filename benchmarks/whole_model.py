@@ -2,6 +2,7 @@
 
     python -m benchmarks.whole_model --json OUT.json [--contexts 32768,131072,524288,1048576]
         [--caches bf16,turboquant-2.5,turboquant-3.5,turboquant-4,affine-4] [--shape 8b] [--tokens 64]
+        (also turboquant-kKvV: explicit key/value widths, e.g. turboquant-k3v4)
     python -m benchmarks.whole_model --tiny --json OUT.json     # CPU smoke (CI): tiny shape, short contexts
 
 Model: ``scripts/build_model.py``'s architecture (``--shape``: Llama-3.1-8B
@@ -38,6 +39,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import re
 import sys
 import time
 from pathlib import Path
@@ -55,12 +57,27 @@ FILL_CHUNK = 8192  # tokens per synthetic cache write (per layer)
 HEADROOM = 0.92  # share of device memory a run may plan to use
 
 
+SPLIT_CACHE = re.compile(r"turboquant-k([1-4])v([1-4])")  # explicit key/value widths, e.g. turboquant-k3v4
+
+
+def known_cache(cache: str) -> bool:
+    return cache in CACHES or SPLIT_CACHE.fullmatch(cache) is not None
+
+
+def cache_order(cache: str) -> tuple[int, str]:
+    return (CACHES.index(cache) if cache in CACHES else len(CACHES), cache)
+
+
 def cache_spec(cache: str, chunk: int):
     """The job's ``CacheSpec`` for a row's cache name."""
     from pipeline.schema.job import CacheSpec
 
     if cache == "bf16":
         return CacheSpec(kv_quant_scheme="fp16", prefill_chunk=chunk)
+    split = SPLIT_CACHE.fullmatch(cache)
+    if split:
+        return CacheSpec(kv_quant_scheme="turboquant", key_bits=int(split[1]), value_bits=int(split[2]),
+                         prefill_chunk=chunk)
     scheme, bits = cache.split("-")
     return CacheSpec(kv_quant_scheme=scheme, kv_bits=float(bits), prefill_chunk=chunk)
 
@@ -225,9 +242,9 @@ def main(argv: list[str] | None = None) -> dict:
     dtype = mx.float32 if a.tiny else mx.bfloat16
     contexts = [int(x) for x in a.contexts.split(",")] if a.contexts else list(TINY_CONTEXTS if a.tiny else CONTEXTS)
     caches = [c for c in a.caches.split(",") if c]
-    unknown = set(caches) - set(CACHES)
+    unknown = [c for c in caches if not known_cache(c)]
     if unknown:
-        ap.error(f"unknown caches {sorted(unknown)}; choose from {', '.join(CACHES)}")
+        ap.error(f"unknown caches {unknown}; choose from {', '.join(CACHES)} or turboquant-kKvV")
     tokens = a.tokens or (8 if a.tiny else 64)
     chunk = min(a.chunk, 256) if a.tiny else a.chunk
     ttft_max = a.ttft_max if a.ttft_max is not None else (512 if a.tiny else 131072)
@@ -262,7 +279,7 @@ def main(argv: list[str] | None = None) -> dict:
         old = json.loads(a.json.read_text())
         done = {(r["context"], r["cache"]) for r in rows}
         result["rows"] = [r for r in old["rows"] if (r["context"], r["cache"]) not in done] + rows
-        result["rows"].sort(key=lambda r: (r["context"], CACHES.index(r["cache"])))
+        result["rows"].sort(key=lambda r: (r["context"], cache_order(r["cache"])))
         result["max_context"] = {**old.get("max_context", {}), **max_context}
     if a.json:
         a.json.write_text(json.dumps(result, indent=1))

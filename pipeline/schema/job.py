@@ -90,7 +90,7 @@ class CacheSpec(_Spec):
     """The KV cache: scheme and widths, parsed and checked here so the engine only reads them."""
 
     kv_quant_scheme: Literal["turboquant", "fp16", "affine"] = Field("turboquant", description="KV cache storage")
-    kv_bits: float = Field(3.5, description="turboquant: 2, 2.5, 3, 3.5, 4 (2.5 = 2-bit keys/3-bit values); affine: 4, 8")
+    kv_bits: float = Field(3.5, description="turboquant: 2, 2.5, 3, 3.5, 4 (2.5 = 3-bit keys/2-bit values, 3.5 = 4/3); affine: 4, 8")
     key_bits: int | None = Field(None, description="turboquant: key bits 1-4, overriding kv_bits' split")
     value_bits: int | None = Field(None, description="turboquant: value bits 1-4, overriding kv_bits' split")
     window: int = Field(128, ge=0, description="turboquant: most recent tokens kept exact")
