@@ -64,7 +64,8 @@ def job_yaml(name: str, tasks: tuple, *, store: str | None, kv_bits: float, chun
 
 def run_cli(job: Path) -> tuple[int, str, float]:
     """``tqpipe run JOB`` in a fresh process: (exit code, output, wall s)."""
-    env = {**os.environ, "TQPIPE_PROGRESS": "off", "PYTHONPATH": str(REPO)}
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)  # keep the caller's (e.g. a --target site)
+    env = {**os.environ, "TQPIPE_PROGRESS": "off", "PYTHONPATH": path}
     t0 = time.perf_counter()
     proc = subprocess.run([sys.executable, "-m", "pipeline.cli", "run", str(job), "--no-progress"],
                           capture_output=True, text=True, env=env, cwd=job.parent)

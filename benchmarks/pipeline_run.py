@@ -67,7 +67,8 @@ def run_cli(job: Path, log: Path) -> tuple[int, int, float]:
     ``os.wait4`` gives this one child's rusage; RUSAGE_CHILDREN would be a max
     over all children, so a smaller second run would hide behind the first.
     """
-    env = {**os.environ, "TQPIPE_PROGRESS": "off", "PYTHONPATH": str(REPO)}
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)  # keep the caller's (e.g. a --target site)
+    env = {**os.environ, "TQPIPE_PROGRESS": "off", "PYTHONPATH": path}
     t0 = time.perf_counter()
     with open(log, "wb") as out:
         proc = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "run", str(job), "--no-progress"],
