@@ -86,14 +86,22 @@ def tensor_shapes(c: dict) -> Iterator[tuple[str, tuple[int, ...]]]:
         yield "lm_head.weight", (v, h)
 
 
-def write_weights(out: Path, c: dict, seed: int, dtype: str) -> int:
-    """Write the seeded random weights in shards; returns their total bytes."""
+def write_weights(out: Path, c: dict, seed: int, dtype: str, used_vocab: int | None = None) -> int:
+    """Write the seeded random weights in shards; returns their total bytes.
+
+    With ``used_vocab`` (the tokenizer's size) the output projection's rows
+    for ids at or above it are zero: their logits are 0 while the real
+    tokens' are spread around it, so greedy answers are text the tokenizer
+    can decode (not ids beyond it, which decode to nothing) and comparisons
+    of answers mean something.  Shapes, and so speed, are unchanged.
+    """
     import mlx.core as mx
 
     dt = getattr(mx, dtype)
     shard: dict = {}
     shard_bytes, total, names = 0, 0, {}
     shards: list[dict] = []
+    output_name = "model.embed_tokens.weight" if c["tie_word_embeddings"] else "lm_head.weight"
 
     def flush() -> None:
         nonlocal shard, shard_bytes
@@ -110,6 +118,8 @@ def write_weights(out: Path, c: dict, seed: int, dtype: str) -> int:
         else:
             key = mx.random.key((seed * 1_000_003 + zlib.crc32(name.encode())) % (1 << 31))
             w = (0.02 * mx.random.normal(shape, key=key)).astype(dt)
+            if used_vocab is not None and name == output_name and used_vocab < shape[0]:
+                w = w * (mx.arange(shape[0]) < used_vocab)[:, None].astype(dt)
         mx.eval(w)
         shard[name] = w
         shard_bytes += w.nbytes
@@ -154,6 +164,12 @@ def write_tokenizer(out: Path, vocab: int) -> dict:
     return {"bos_token_id": bos, "eos_token_id": [tok.token_to_id(EOS), tok.token_to_id(EOT)]}
 
 
+def _tokenizer_size(out: Path) -> int:
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(out / "tokenizer.json")).get_vocab_size()
+
+
 def build(out: str | Path, shape: str = "8b", *, seed: int = 0, dtype: str = "bfloat16",
           tokenizer_vocab: int = 4096) -> Path:
     """Write the model directory ``out`` (created) and return it."""
@@ -163,7 +179,7 @@ def build(out: str | Path, shape: str = "8b", *, seed: int = 0, dtype: str = "bf
     ids = write_tokenizer(out, min(tokenizer_vocab, c["vocab_size"]))
     c.update(ids, torch_dtype=dtype)
     (out / "config.json").write_text(json.dumps(c, indent=1))
-    write_weights(out, c, seed, dtype)
+    write_weights(out, c, seed, dtype, used_vocab=_tokenizer_size(out))
     return out
 
 

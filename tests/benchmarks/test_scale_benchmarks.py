@@ -59,3 +59,22 @@ def test_long_pdf_job_is_the_benchmarks_job():
     spec = JobSpec.model_validate(yaml.safe_load((REPO / "jobs" / "long_pdfs.yaml").read_text()))
     assert spec.context.max_tokens >= 131072 and spec.cache.kv_quant_scheme == "turboquant"
     assert [(t.name, t.prompt, t.max_tokens) for t in spec.tasks] == pipeline_gpu.TASKS
+
+
+def test_built_model_answers_in_its_tokenizers_ids(tmp_path):
+    # ids past the trained tokenizer decode to nothing; their output rows are zero so greedy picks real tokens
+    import sys
+
+    import mlx.core as mx
+    from mlx_lm import load
+
+    sys.path.insert(0, str(REPO / "scripts"))
+    from build_model import build
+
+    out = build(tmp_path / "m", "tiny", dtype="float32", tokenizer_vocab=600)
+    weights = mx.load(str(next(out.glob("model-*.safetensors"))))
+    head = weights["lm_head.weight"]
+    assert mx.all(head[600:] == 0).item() and mx.any(head[:600] != 0).item()
+    model, tok = load(str(out))
+    logits = model(mx.array([tok.encode("This is page 3 of 10. The code word")]))[0, -1]
+    assert int(mx.argmax(logits).item()) < 600
