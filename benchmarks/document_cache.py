@@ -34,14 +34,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
-import sys
 import tempfile
-import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from benchmarks.pipeline_run import run_cli
+
 TASKS = (("first_task", "What is the code word for page 2? Answer with the word only."),
          ("added_task", "What is the code word for page 1? Answer with the word only."))
 
@@ -60,16 +57,6 @@ def job_yaml(name: str, tasks: tuple, *, store: str | None, kv_bits: float, chun
         f"output: {output}\n"
         f"{store_line}"
     )
-
-
-def run_cli(job: Path) -> tuple[int, str, float]:
-    """``tqpipe run JOB`` in a fresh process: (exit code, output, wall s)."""
-    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)  # keep the caller's (e.g. a --target site)
-    env = {**os.environ, "TQPIPE_PROGRESS": "off", "PYTHONPATH": path}
-    t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "pipeline.cli", "run", str(job), "--no-progress"],
-                          capture_output=True, text=True, env=env, cwd=job.parent)
-    return proc.returncode, (proc.stdout + proc.stderr).rstrip(), time.perf_counter() - t0
 
 
 def _records(path: Path) -> list[dict]:
@@ -97,8 +84,9 @@ def measure(work: Path, *, pages: int, chunk: int, kv_bits: float, task_tokens: 
         job = work / f"job-{name}.yaml"
         job.write_text(text)
         echo(f"$ tqpipe run {job.name} --no-progress")
-        code, log, walls[name] = run_cli(job)
-        echo(log)
+        log = work / f"job-{name}.log"
+        code, _, walls[name] = run_cli(job, log)
+        echo(log.read_text().rstrip())
         if code != 0:
             raise SystemExit(f"{job}: tqpipe run exited {code}")
     first, added = _records(work / "results.jsonl")
