@@ -3,22 +3,35 @@
 A long document's prefill is the expensive part of a run; every later run
 that asks about the same document (one more task, a rerun after a crash, a
 renamed copy in the inbox, ``tqpipe ask``) can start from the stored cache
-instead.  One entry is one file (``kv_file``), named by the digest of its key:
+instead.  One entry is one file (``kv_file``), named
+``<content hash, 16 hex>-<key digest>``, so the entries of one document are
+found by its content hash alone, before the document is read.  The key:
 
 * the document's **content hash** (not its path: a renamed copy hits),
-* the **page selection** and the **context settings** that shape the prompt
-  (image mode, dpi, ...), plus a digest of the prefix's **token ids** (so a
-  different chat template, truncation or tokenizer is a different entry),
-* the **model identity** (name, config and weight-file fingerprint, device and
-  dtype) and the **cache config** (scheme, bits, window, quantizer, prefill
-  chunk: the chunking decides when the centring means are taken),
+* the **page selection** and the **reading settings** that shape the prompt
+  (image mode, dpi, page markers, whether the model reads images),
+* the **reader**: a digest of the code and library versions that turn a file
+  into prompt tokens (PDF text extraction, OCR, chat templates), so an
+  upgrade that would read the file differently is a different entry,
+* the **model identity** (name, config, a fingerprint of every file in the
+  model folder: weights, tokenizer, chat template; device, dtype, MLX) and
+  the **cache config** (scheme, bits, window, quantizer, prefill chunk: the
+  chunking decides when the centring means are taken),
 * the file **format version**.
 
-The whole key is stored in the file as well and compared on load, and the
-stored prefix token ids must equal the caller's: a file copied under another
-name, a digest collision or a file written by another model is a miss with a
-warning, never a wrong cache.  So is a truncated or corrupt file (size check
-against the header, CRC-32 of every tensor); such a file is deleted.
+The context limit and the tasks are not in the key: they only decide
+whether the document is cut short.  An entry records its prompt's token ids
+and whether it was cut; a hit without reading the document
+(:func:`pipeline.run.document.process_document`) is taken only for an entry
+that was not cut, had no skipped pages and still fits the caller's budget,
+and a caller that did read the document compares token ids (a difference
+makes the entry a miss, replaced by the new prefill).
+
+The whole key is stored in the file as well and compared on load: a file
+copied under another name, a digest collision or a file written by another
+model is a miss with a warning, never a wrong cache.  So is a truncated or
+corrupt file (size check against the header, CRC-32 of every tensor); such a
+file is deleted.
 
 Size cap: after each save the least recently used entries are deleted until
 the store fits ``max_bytes``; a hit refreshes its entry's modification time,
@@ -38,8 +51,10 @@ import hashlib
 import json
 import logging
 import os
+import re
 import time
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -68,14 +83,6 @@ def store_for_job(job: Any) -> "DocCacheStore | None":
     return DocCacheStore.from_gb(job.resolve(spec.path) if spec.path else None, spec.max_gb)
 
 
-def token_digest(ids: Iterable[int]) -> str:
-    """Digest of a token-id sequence (part of the key: the exact prompt prefix)."""
-    h = hashlib.sha256()
-    for i in ids:
-        h.update(int(i).to_bytes(4, "little", signed=False))
-    return h.hexdigest()[:32]
-
-
 @dataclass(frozen=True)
 class DocKey:
     """What a document cache was computed from; equal keys give bit-equal caches."""
@@ -84,14 +91,15 @@ class DocKey:
     pages: Any  # the page selection as given (None: every page)
     model: dict  # model identity
     cache: dict  # cache config
-    context: dict  # prompt-shaping settings, including "prefix" (token_digest)
+    context: dict  # the reading settings that shape the prompt
+    reader: str = ""  # reader_fingerprint()
     version: int = FORMAT_VERSION
 
     def fields(self) -> dict:
         """The key as plain JSON data (stored in the file and compared on load)."""
         return json.loads(json.dumps({
             "content_hash": self.content_hash, "pages": self.pages, "model": self.model,
-            "cache": self.cache, "context": self.context, "version": self.version,
+            "cache": self.cache, "context": self.context, "reader": self.reader, "version": self.version,
         }, sort_keys=True))
 
     def digest(self) -> str:
@@ -104,8 +112,9 @@ def _digest(obj: Any) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def weights_fingerprint(model_dir: Path | None) -> str | None:
-    """Digest of the weight files' resolved names, sizes and modification times.
+def files_fingerprint(model_dir: Path | None) -> str | None:
+    """Digest of the names, sizes and modification times of every file in the
+    model folder (weights, tokenizer, chat template, processor config).
 
     Cheap (no file is read) and it changes whenever a file is replaced; Hub
     snapshots resolve to blobs named by their content hash.
@@ -113,9 +122,13 @@ def weights_fingerprint(model_dir: Path | None) -> str | None:
     if model_dir is None:
         return None
     files = []
-    for p in sorted(Path(model_dir).glob("*.safetensors")) + sorted(Path(model_dir).glob("*.gguf")):
+    for p in sorted(Path(model_dir).iterdir()) if Path(model_dir).is_dir() else []:
+        if p.name.startswith("."):
+            continue
         try:
             real = p.resolve()
+            if not real.is_file():
+                continue
             st = real.stat()
         except OSError:
             continue
@@ -123,9 +136,46 @@ def weights_fingerprint(model_dir: Path | None) -> str | None:
     return _digest(files)
 
 
+# What turns a file into prompt tokens, besides the model: the reading and
+# prompt modules (relative to the ``pipeline`` package) and the libraries they call.
+READER_MODULES = ("inputs/document.py", "inputs/ingest.py", "inputs/pdf.py", "inputs/images.py",
+                  "inputs/ocr.py", "inference/prompt.py", "schema/pages.py")
+READER_PACKAGES = ("pymupdf", "rapidocr", "onnxruntime", "pillow", "transformers", "tokenizers",
+                   "mlx-lm", "mlx-vlm")
+
+
+@lru_cache(maxsize=1)
+def reader_fingerprint() -> str:
+    """Digest of the reading code and the versions of the libraries it calls.
+
+    Part of the key because a stored cache may be used without reading the
+    document again: a tqpipe or library upgrade that could extract, OCR or
+    template the file differently must not be answered from an old reading.
+    """
+    from importlib import metadata
+
+    import pipeline
+
+    h = hashlib.sha256()
+    root = Path(pipeline.__file__).parent
+    for rel in READER_MODULES:
+        h.update(rel.encode() + b"\0")
+        try:
+            h.update((root / rel).read_bytes())
+        except OSError:
+            h.update(b"missing")
+    for dist in READER_PACKAGES:
+        try:
+            version = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            version = "-"
+        h.update(f"\0{dist}={version}".encode())
+    return h.hexdigest()[:16]
+
+
 def model_identity(name: str, config: dict | None, model: Any = None, model_dir: Path | None = None) -> dict:
     """What makes two models' caches interchangeable: the same name, config and
-    weight files, on the same kind of device, in the same dtype, under the same MLX."""
+    model files, on the same kind of device, in the same dtype, under the same MLX."""
     import mlx.core as mx
 
     dtype = None
@@ -134,22 +184,21 @@ def model_identity(name: str, config: dict | None, model: Any = None, model_dir:
 
         dtype = next((str(p.dtype) for _, p in tree_flatten(model.parameters())
                       if mx.issubdtype(p.dtype, mx.floating)), None)
-    return {"name": name, "config": _digest(config or {}), "weights": weights_fingerprint(model_dir),
+    return {"name": name, "config": _digest(config or {}), "files": files_fingerprint(model_dir),
             "device": mx.default_device().type.name, "dtype": dtype, "mlx": mx.__version__}
 
 
 CACHE_KEY_FIELDS = ("kv_quant_scheme", "kv_bits", "key_bits", "value_bits", "window", "quantizer", "prefill_chunk")
-CONTEXT_KEY_FIELDS = ("images", "dpi")  # shape pixel values, which token ids do not show
+CONTEXT_KEY_FIELDS = ("images", "dpi", "page_markers")  # what a successful reading depends on besides the file
 
 
-def document_key(content_hash: str, context: Any, prefix_ids: list[int], model: dict, cache: Any) -> DocKey:
+def document_key(content_hash: str, context: Any, model: dict, cache: Any, *, reads_images: bool) -> DocKey:
     """The store key of one document's prefilled cache.
 
     ``context`` and ``cache`` are the job's specs (pydantic models or dicts);
-    the prompt's token ids stand for everything else that shapes the prompt
-    (chat template, truncation, page texts), the fields named above for what
-    they cannot show.  The prefill chunk is in: it decides which tokens the
-    TurboQuant centring means are taken over.
+    ``reads_images`` whether the model takes page images (it decides whether
+    scanned pages become images or OCR'd text).  The prefill chunk is in: it
+    decides which tokens the TurboQuant centring means are taken over.
     """
     ctx = context.model_dump(mode="json") if hasattr(context, "model_dump") else dict(context)
     spec = cache.model_dump(mode="json") if hasattr(cache, "model_dump") else dict(cache)
@@ -158,9 +207,14 @@ def document_key(content_hash: str, context: Any, prefix_ids: list[int], model: 
         pages=ctx.get("pages"),
         model=model,
         cache={k: spec.get(k) for k in CACHE_KEY_FIELDS},
-        context={**{k: ctx.get(k) for k in CONTEXT_KEY_FIELDS}, "prefix": token_digest(prefix_ids),
-                 "tokens": len(prefix_ids)},
+        context={**{k: ctx.get(k) for k in CONTEXT_KEY_FIELDS}, "reads_images": bool(reads_images)},
+        reader=reader_fingerprint(),
     )
+
+
+def content_stem(content_hash: str) -> str:
+    """The first 16 hex digits of a content hash: the prefix of its entries' names."""
+    return re.sub(r"[^0-9a-f]", "", content_hash.split(":", 1)[-1].lower())[:16] or "0"
 
 
 @dataclass
@@ -168,6 +222,7 @@ class Hit:
     """A loaded entry: the rebuilt per-layer caches and what the engine needs."""
 
     caches: list
+    prefix_ids: list[int]  # the stored prompt prefix
     info: dict
     load_s: float
     nbytes: int  # file size
@@ -203,28 +258,46 @@ class DocCacheStore:
         return cls(root, None if max_gb is None else int(max_gb * _GB))
 
     def path_for(self, key: DocKey) -> Path:
-        return self.root / f"{key.digest()}{SUFFIX}"
+        return self.root / f"{content_stem(key.content_hash)}-{key.digest()}{SUFFIX}"
+
+    def candidates(self, content_hash: str) -> list[Entry]:
+        """The readable entries stored for a document's content (headers only;
+        no model needed), most recently used first."""
+        if not self.root.is_dir():
+            return []
+        out = []
+        for p in self.root.glob(f"{content_stem(content_hash)}-*{SUFFIX}"):
+            entry = _entry(p)
+            if entry is not None and entry.error is None and entry.key.get("content_hash") == content_hash:
+                out.append(entry)
+        return sorted(out, key=lambda e: (-e.last_used, e.name))
 
     # -- lookup / save ------------------------------------------------------
-    def load(self, key: DocKey, prefix_ids: list[int]) -> Hit | None:
-        """The stored cache for ``key``, or None (absent, or unusable: warned and deleted)."""
+    def load(self, key: DocKey, prefix_ids: list[int] | None = None) -> Hit | None:
+        """The stored cache for ``key``, or None: absent; unusable (warned and
+        deleted); or, when the caller read the document and passes its
+        ``prefix_ids``, stored for another prompt (the document was cut to
+        another budget: deleted, so the caller's prefill replaces it)."""
         path = self.path_for(key)
         if not path.is_file():
             return None
         t0 = time.perf_counter()
         try:
             loaded = kv_file.read(path, key=key.fields())
-            if loaded.prefix_ids != list(prefix_ids):
-                raise CacheFileError("stored prompt tokens differ from this document's")
         except Exception as e:  # a cache only saves time: whatever is wrong with it, prefill instead
             self.discard(key, f"{e}" if isinstance(e, CacheFileError) else f"{type(e).__name__}: {e}")
+            return None
+        if prefix_ids is not None and loaded.prefix_ids != list(prefix_ids):
+            log.info("document cache %s holds another cut of this document (%d tokens, now %d); replacing it",
+                     path.name, len(loaded.prefix_ids), len(prefix_ids))
+            _unlink(path)
             return None
         load_s = time.perf_counter() - t0
         try:
             os.utime(path)  # the LRU clock
         except OSError:
             pass
-        return Hit(caches=loaded.caches, info=loaded.info, load_s=load_s,
+        return Hit(caches=loaded.caches, prefix_ids=loaded.prefix_ids, info=loaded.info, load_s=load_s,
                    nbytes=path.stat().st_size if path.exists() else 0, path=path)
 
     def discard(self, key: DocKey, reason: str) -> None:
@@ -276,20 +349,10 @@ class DocCacheStore:
         if not self.root.is_dir():
             return out
         for p in self.root.glob(f"*{SUFFIX}"):
-            if _is_temp(p):
-                continue
-            try:
-                st = p.stat()
-            except OSError:
-                continue
-            info, key, error = {}, {}, None
-            try:
-                meta, _ = kv_file.read_header(p)
-                info, key = json.loads(meta.get("info", "{}")), json.loads(meta.get("key", "{}"))
-            except (CacheFileError, ValueError) as e:
-                error = str(e)
-            out.append(Entry(name=p.name[: -len(SUFFIX)], path=p, nbytes=st.st_size,
-                             last_used=st.st_mtime, info=info, key=key, error=error))
+            if not _is_temp(p):
+                entry = _entry(p)
+                if entry is not None:
+                    out.append(entry)
         out.sort(key=lambda e: (e.last_used, e.name))
         return out
 
@@ -341,6 +404,23 @@ class DocCacheStore:
                 except OSError:
                     continue
         return gone
+
+
+def _entry(p: Path) -> Entry | None:
+    """The listing of one entry file (None if it vanished); an unreadable
+    header gives an entry with ``error`` set."""
+    try:
+        st = p.stat()
+    except OSError:
+        return None
+    info, key, error = {}, {}, None
+    try:
+        meta, _ = kv_file.read_header(p)
+        info, key = json.loads(meta.get("info", "{}")), json.loads(meta.get("key", "{}"))
+    except (CacheFileError, ValueError) as e:
+        error = str(e)
+    return Entry(name=p.name[: -len(SUFFIX)], path=p, nbytes=st.st_size, last_used=st.st_mtime,
+                 info=info, key=key, error=error)
 
 
 def _unlink(path: Path) -> bool:

@@ -64,7 +64,7 @@ from pipeline.inference.constrained import json_processor
 from pipeline.inference.kv_size import KVGeometry, exact_tokens, figures
 from pipeline.inference.decode import Row
 from pipeline.inference.decode import decode_rows as _decode
-from pipeline.inference.doc_cache import DocCacheStore, DocKey, document_key, model_identity
+from pipeline.inference.doc_cache import DocCacheStore, DocKey, Hit, document_key, model_identity
 from pipeline.inference.prompt import DocumentPrompt, concat_image_inputs
 
 
@@ -228,24 +228,28 @@ class Engine:
         return state
 
     # -- document cache store ---------------------------------------------------
-    def document_key(self, content_hash: str, context: Any, prompt: DocumentPrompt) -> DocKey | None:
-        """The store key of ``prompt``'s document under this model and cache spec
-        (None without a store)."""
+    def document_key(self, content_hash: str, context: Any, *, reads_images: bool) -> DocKey | None:
+        """The store key of a document under this model and cache spec (None
+        without a store); ``reads_images`` as the document was (or would be) read."""
         if self.store is None:
             return None
         if self._model_identity is None:
             loaded = self.loaded
             self._model_identity = model_identity(loaded.name, loaded.config, loaded.model,
                                                   getattr(loaded, "model_dir", None))
-        return document_key(content_hash, context, prompt.prefix_ids, self._model_identity, self.cache_spec)
+        return document_key(content_hash, context, self._model_identity, self.cache_spec, reads_images=reads_images)
 
-    def load_cached(self, prompt: DocumentPrompt, key: DocKey, *, reserve: int = 0) -> _Prefilled | None:
+    def load_cached(self, prompt: DocumentPrompt, key: DocKey, *, reserve: int = 0,
+                    hit: Hit | None = None) -> _Prefilled | None:
         """The document's stored cache as a prefilled state, or None on a miss.
 
+        ``hit``: the entry already loaded (by a caller that took the prompt
+        from it); else it is loaded here and must hold ``prompt``'s tokens.
         The loaded layers must be the classes this model and cache spec
         would build (the key says they are; a mismatch is still a miss).
         """
-        hit = self.store.load(key, prompt.prefix_ids)
+        if hit is None:
+            hit = self.store.load(key, prompt.prefix_ids)
         if hit is None:
             return None
         fresh = _make_cache(self.loaded.model, self.cache_spec)  # also installs the attention hook
@@ -273,7 +277,7 @@ class Engine:
                 "prefill_s": round(state.prefill_s, 4), **(info or {})}
         path = self.store.save(key, self.cache, prompt.prefix_ids, meta)
         state.doc_cache = {"hit": False, "saved": path is not None, "save_s": round(time.perf_counter() - t0, 4),
-                           "entry": key.digest()}
+                           "entry": self.store.path_for(key).stem}
 
     def prepare(self, prompt: DocumentPrompt, *, reserve: int = 0, key: DocKey | None = None,
                 info: dict | None = None, on_tokens: Callable[[int], None] | None = None) -> _Prefilled:
@@ -489,12 +493,15 @@ class Engine:
         on_token: Callable[[int], None] | None = None,
         key: DocKey | None = None,
         info: dict | None = None,
+        state: _Prefilled | None = None,
     ) -> Iterator[TaskResult]:
         """Prefill ``prompt`` once (or load it: ``prepare``), then yield each
         task's result in task order: all at once after a batch of rows, else
-        each as soon as it is done."""
-        reserve = max(len(prompt.task_ids[t.name]) + t.max_tokens for t in tasks)
-        state = self.prepare(prompt, reserve=reserve, key=key, info=info, on_tokens=on_prefill)
+        each as soon as it is done.  ``state``: the document is already in
+        the cache (``load_cached`` with a hit the caller holds)."""
+        if state is None:
+            state = self.prepare(prompt, reserve=reserve_for(prompt, tasks), key=key, info=info,
+                                 on_tokens=on_prefill)
         try:
             if self.batch_tasks and len(tasks) > 1 and self.can_batch(state):
                 ids = [prompt.task_ids[t.name] for t in tasks]
@@ -516,6 +523,11 @@ class Engine:
     def process(self, prompt: DocumentPrompt, tasks: Sequence[Any], *, key: DocKey | None = None) -> list[TaskResult]:
         """All task results of one document (see ``iter_process``)."""
         return list(self.iter_process(prompt, tasks, key=key))
+
+
+def reserve_for(prompt: DocumentPrompt, tasks: Sequence[Any]) -> int:
+    """Tokens a cache needs past the document: the longest task suffix plus its answer."""
+    return max(len(prompt.task_ids[t.name]) + t.max_tokens for t in tasks)
 
 
 def _chunks(total: int, step: int, spans: Sequence[tuple[int, int, dict]]) -> Iterator[tuple[int, int, list[dict]]]:

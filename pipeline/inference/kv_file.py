@@ -46,7 +46,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
 FORMAT = "tqpipe-doc-cache"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: keyed by the reading, not the token ids; names start with the content hash
 SUFFIX = ".safetensors"
 TEMP_MARK = ".tmp"  # temporary files: "." + name + TEMP_MARK + unique + SUFFIX
 _MAX_HEADER = 64 << 20

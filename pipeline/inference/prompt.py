@@ -74,6 +74,38 @@ class DocumentPrompt:
         """All pages' pixel inputs concatenated in token order (for a whole-prompt forward)."""
         return concat_image_inputs([extra for _, _, extra in self.image_spans])
 
+    def stored_fields(self) -> dict:
+        """What a stored document cache keeps of this prompt besides its token
+        ids, so a later run can use the cache without reading the document
+        (JSON data; :meth:`from_stored` is the inverse)."""
+        return {
+            "tokens": len(self.prefix_ids),
+            "page_offsets": {str(p): o for p, o in self.page_offsets.items()},
+            "included_pages": list(self.included_pages),
+            "skipped_pages": list(self.skipped_pages),
+            "image_spans": [[s, e] for s, e, _ in self.image_spans],
+            "truncation": dict(self.truncation),
+            "page_via": {str(p): v for p, v in self.page_via.items()},
+        }
+
+    @classmethod
+    def from_stored(cls, prefix_ids: list[int], fields: dict, task_ids: dict[str, list[int]]) -> "DocumentPrompt":
+        """The prompt of a stored document cache: its token ids and
+        :meth:`stored_fields`, with this run's task suffixes.  Image spans keep
+        their token ranges, not their pixels: the cache already holds them."""
+        if fields.get("tokens") != len(prefix_ids):
+            raise ValueError(f"stored prompt lists {fields.get('tokens')} tokens, the cache holds {len(prefix_ids)}")
+        return cls(
+            prefix_ids=list(prefix_ids),
+            task_ids=task_ids,
+            page_offsets={int(p): int(o) for p, o in fields["page_offsets"].items()},
+            included_pages=[int(p) for p in fields["included_pages"]],
+            skipped_pages=list(fields["skipped_pages"]),
+            image_spans=[(int(s), int(e), {}) for s, e in fields["image_spans"]],
+            truncation=dict(fields["truncation"]),
+            page_via={int(p): v for p, v in fields["page_via"].items()},
+        )
+
     def pages_record(self) -> dict:
         """The ``pages`` field of a result record: what went in and where."""
         return {
@@ -184,9 +216,22 @@ class PromptBuilder:
             ids, extra = self._encode(seg, [images[n]] if n in images else ())
             segments.append((n, ids, extra))
 
-        task_ids = {t.name: self._encode(task_text(t) + tail)[0] for t in tasks}
-        budget = context.max_tokens - max(t.max_tokens for t in tasks) - max(len(v) for v in task_ids.values())
-        return self._assemble(source, document, context, head_ids, segments, task_ids, budget)
+        task_ids = self._suffixes(tail, tasks)
+        return self._assemble(source, document, context, head_ids, segments, task_ids, task_budget(context, tasks, task_ids))
+
+    def _suffixes(self, tail: str, tasks: Sequence[Any]) -> dict[str, list[int]]:
+        return {t.name: self._encode(task_text(t) + tail)[0] for t in tasks}
+
+    def task_ids(self, tasks: Sequence[Any]) -> dict[str, list[int]]:
+        """The task suffixes without a document: the template rendered around
+        the task placeholder alone.  Equal to :meth:`build`'s for templates
+        whose closing part does not depend on the message (every common one;
+        a stored document cache is reused without reading only where they
+        were equal when it was stored)."""
+        rendered = self._render([{"type": "text", "text": TASK_PLACEHOLDER}])
+        if rendered.count(TASK_PLACEHOLDER) != 1:
+            raise TqpipeError("the chat template did not keep the task placeholder exactly once")
+        return self._suffixes(rendered.split(TASK_PLACEHOLDER)[1], tasks)
 
     def _assemble(self, source, document, context, head_ids, segments, task_ids, budget) -> DocumentPrompt:
         total = len(head_ids) + sum(len(ids) for _, ids, _ in segments)
@@ -237,6 +282,12 @@ class PromptBuilder:
             truncation=truncation,
             page_via={n: _via(by_number.get(n), bool(extra)) for n, _, extra in segments},
         )
+
+
+def task_budget(context: Any, tasks: Sequence[Any], task_ids: dict[str, list[int]]) -> int:
+    """Document tokens that fit: ``context.max_tokens`` minus the longest task
+    suffix and the largest ``max_tokens`` (every task must fit after the document)."""
+    return context.max_tokens - max(t.max_tokens for t in tasks) - max(len(v) for v in task_ids.values())
 
 
 def _merge_text(items: list[dict]) -> list[dict]:

@@ -76,6 +76,20 @@ class Document:
         """True if a page carries an image, so the model must be a VLM."""
         return any(p.image is not None for p in self.pages)
 
+    def stored_fields(self) -> dict:
+        """What a record says of the document beyond its prompt (JSON data),
+        kept with a stored document cache so a later run can write the same
+        records without reading the document (:meth:`from_stored`)."""
+        return {"page_count": self.page_count, "skipped_pages": list(self.skipped_pages),
+                "notes": list(self.notes), "pages_clipped": self.pages_clipped}
+
+    @classmethod
+    def from_stored(cls, ref: DocumentRef, content_hash: str, fields: dict) -> "Document":
+        """A document known from a stored cache: its record fields, no pages."""
+        return cls(ref=ref, content_hash=content_hash, page_count=int(fields["page_count"]), pages=[],
+                   skipped_pages=list(fields["skipped_pages"]), notes=list(fields["notes"]),
+                   pages_clipped=fields["pages_clipped"])
+
 
 def read_pages(
     ref: DocumentRef,

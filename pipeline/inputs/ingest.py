@@ -14,16 +14,18 @@ from pipeline.inputs.pdf import read_pdf
 from pipeline.schema.job import ContextSpec
 
 
-def ingest(ref: DocumentRef, context: ContextSpec, *, model_reads_images: bool = True) -> Document:
+def ingest(ref: DocumentRef, context: ContextSpec, *, model_reads_images: bool = True,
+           digest: str | None = None) -> Document:
     """Read ``ref`` with the pages ``context.pages`` selects.
 
     ``model_reads_images``: whether the job's model takes page images; a
     text-only model gets scanned pages as OCR'd text under ``images: auto``
     (:func:`~pipeline.inputs.document.scanned_route`).  Raises
     :class:`~pipeline.errors.IngestError` naming the file when the
-    document as a whole cannot be used.
+    document as a whole cannot be used.  ``digest``: its content hash, when
+    the caller has it already (hashing reads the whole file).
     """
-    digest = content_hash(ref)
+    digest = digest or content_hash(ref)
     route = scanned_route(context.images, model_reads_images)
     if ref.kind == "pdf":
         return read_pdf(ref, context, digest, route)

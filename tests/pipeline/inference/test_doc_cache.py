@@ -16,7 +16,7 @@ import mlx.core as mx
 import pytest
 
 from pipeline.inference import kv_file
-from pipeline.inference.doc_cache import DocCacheStore, DocKey, default_store_path, token_digest
+from pipeline.inference.doc_cache import DocCacheStore, DocKey, default_store_path
 from tiny_models import prompt_tokens, tiny_llama
 from turboquant import make_prompt_cache
 
@@ -24,9 +24,9 @@ REPO = Path(__file__).resolve().parents[3]
 
 
 def key(**over) -> DocKey:
-    fields = dict(content_hash="c0ffee", pages=None, model={"name": "tiny", "dtype": "float32"},
+    fields = dict(content_hash="sha256:c0ffee", pages=None, model={"name": "tiny", "dtype": "float32"},
                   cache={"scheme": "turboquant", "kv_bits": 3.5, "window": 16},
-                  context={"images": "auto", "prefix": token_digest([1, 2, 3])})
+                  context={"images": "auto", "dpi": 72}, reader="r1")
     fields.update(over)
     return DocKey(**fields)
 
@@ -50,14 +50,28 @@ def test_miss_then_hit_after_save(tmp_path, prefilled):
     hit = store.load(key(), ids)
     assert hit is not None and hit.info == {"length": len(ids)} and hit.load_s >= 0
     assert [c.offset for c in hit.caches] == [len(ids)] * 2
+    assert hit.prefix_ids == ids
     (entry,) = store.entries()
-    assert entry.name == key().digest() and entry.error is None and entry.nbytes == path.stat().st_size
+    assert entry.name == f"c0ffee-{key().digest()}" and entry.error is None and entry.nbytes == path.stat().st_size
+    assert [e.path for e in store.candidates("sha256:c0ffee")] == [path]
+    assert store.candidates("sha256:c0ffef") == []  # another document: no header is read
+
+
+def test_a_caller_with_other_tokens_replaces_the_entry(tmp_path, prefilled, caplog):
+    """The document was read and cut to another budget: the entry is a miss
+    and gone, so the caller's prefill stores the new reading."""
+    _, caches, ids = prefilled
+    store = DocCacheStore(tmp_path)
+    store.save(key(), caches, ids, {})
+    with caplog.at_level(logging.INFO):
+        assert store.load(key(), ids[:-1]) is None
+    assert "holds another cut of this document" in caplog.text and not store.path_for(key()).exists()
 
 
 def test_every_key_field_separates_entries():
     base = key()
     variants = [key(content_hash="other"), key(pages="1-3"), key(model={"name": "other"}),
-                key(cache={"scheme": "fp16"}), key(context={"prefix": "x"}), key(version=0)]
+                key(cache={"scheme": "fp16"}), key(context={"images": "ocr"}), key(reader="r2"), key(version=0)]
     assert len({base.digest(), *(v.digest() for v in variants)}) == 1 + len(variants)
 
 
@@ -90,15 +104,6 @@ def test_truncated_file_is_a_miss_with_a_warning(tmp_path, prefilled, caplog):
     assert store.save(key(), caches, ids, {}) == path and store.load(key(), ids) is not None
 
 
-def test_other_prompt_tokens_are_a_miss(tmp_path, prefilled, caplog):
-    _, caches, ids = prefilled
-    store = DocCacheStore(tmp_path)
-    store.save(key(), caches, ids, {})
-    with caplog.at_level(logging.WARNING):
-        assert store.load(key(), ids[:-1] + [0]) is None
-    assert "prompt tokens differ" in caplog.text
-
-
 def test_lru_eviction_keeps_the_recently_used(tmp_path, prefilled):
     _, caches, ids = prefilled
     store = DocCacheStore(tmp_path)
@@ -110,11 +115,11 @@ def test_lru_eviction_keeps_the_recently_used(tmp_path, prefilled):
     store.max_bytes = 3 * size  # room for three of the four
     new = store.save(key(content_hash="d3"), caches, ids, {})
     names = {e.name for e in store.entries()}
-    assert names == {key(content_hash=h).digest() for h in ("d0", "d2", "d3")}
+    assert names == {store.path_for(key(content_hash=h)).stem for h in ("d0", "d2", "d3")}
     assert new.exists() and store.total_bytes() <= store.max_bytes
     os.utime(new, (time.time() + 10,) * 2)  # beyond the clock tick that d0's touch shares
-    assert store.prune(max_bytes=size) == [key(content_hash=h).digest() for h in ("d2", "d0")]
-    assert [e.name for e in store.entries()] == [key(content_hash="d3").digest()]
+    assert store.prune(max_bytes=size) == [store.path_for(key(content_hash=h)).stem for h in ("d2", "d0")]
+    assert [e.name for e in store.entries()] == [store.path_for(key(content_hash="d3")).stem]
 
 
 def test_cache_larger_than_the_cap_is_not_stored(tmp_path, prefilled):
@@ -227,29 +232,54 @@ def test_document_key_separates_what_changes_the_cache(tmp_path):
     from pipeline.schema.job import CacheSpec, ContextSpec
 
     model = model_identity("m", {"model_type": "llama"})
-    base = document_key("sha256:a", ContextSpec(), [1, 2, 3], model, CacheSpec())
-    assert base == document_key("sha256:a", ContextSpec(max_tokens=999), [1, 2, 3], model, CacheSpec())
+
+    def k(ctx=ContextSpec(), m=model, cache=CacheSpec(), h="sha256:a", reads_images=False):
+        return document_key(h, ctx, m, cache, reads_images=reads_images)
+
+    base = k()
+    # the limit and overflow policy only decide whether the document is cut (token ids are compared)
+    assert base == k(ContextSpec(max_tokens=999)) == k(ContextSpec(overflow="error"))
     others = [
-        document_key("sha256:b", ContextSpec(), [1, 2, 3], model, CacheSpec()),
-        document_key("sha256:a", ContextSpec(pages="1-2"), [1, 2, 3], model, CacheSpec()),
-        document_key("sha256:a", ContextSpec(dpi=144), [1, 2, 3], model, CacheSpec()),
-        document_key("sha256:a", ContextSpec(), [1, 2, 4], model, CacheSpec()),
-        document_key("sha256:a", ContextSpec(), [1, 2, 3], model_identity("n", {}), CacheSpec()),
-        document_key("sha256:a", ContextSpec(), [1, 2, 3], model, CacheSpec(kv_bits=3)),
-        document_key("sha256:a", ContextSpec(), [1, 2, 3], model, CacheSpec(prefill_chunk=256)),
-        document_key("sha256:a", ContextSpec(), [1, 2, 3], model, CacheSpec(quantizer="tcq")),
+        k(h="sha256:b"), k(ContextSpec(pages="1-2")), k(ContextSpec(dpi=144)), k(ContextSpec(images="ocr")),
+        k(ContextSpec(page_markers=False)), k(reads_images=True), k(m=model_identity("n", {})),
+        k(cache=CacheSpec(kv_bits=3)), k(cache=CacheSpec(prefill_chunk=256)), k(cache=CacheSpec(quantizer="tcq")),
     ]
-    assert len({base.digest(), *(k.digest() for k in others)}) == 1 + len(others)
+    assert len({base.digest(), *(o.digest() for o in others)}) == 1 + len(others)
 
 
-def test_model_identity_follows_the_weight_files(tmp_path):
+def test_the_reader_fingerprint_follows_the_reading_code(monkeypatch, tmp_path):
+    """A tqpipe whose PDF reading or prompt code differs is another reader: its
+    caches are not answered from an older reading."""
+    import pipeline
+    from pipeline.inference import doc_cache
+
+    doc_cache.reader_fingerprint.cache_clear()
+    ours = doc_cache.reader_fingerprint()
+    fake = tmp_path / "pipeline"
+    for rel in doc_cache.READER_MODULES:
+        (fake / rel).parent.mkdir(parents=True, exist_ok=True)
+        (fake / rel).write_bytes((Path(pipeline.__file__).parent / rel).read_bytes())
+    monkeypatch.setattr(pipeline, "__file__", str(fake / "__init__.py"))
+    doc_cache.reader_fingerprint.cache_clear()
+    assert doc_cache.reader_fingerprint() == ours  # same code, same reader
+    (fake / "inputs/pdf.py").write_text((fake / "inputs/pdf.py").read_text() + "\n# changed\n")
+    doc_cache.reader_fingerprint.cache_clear()
+    assert doc_cache.reader_fingerprint() != ours
+    doc_cache.reader_fingerprint.cache_clear()
+
+
+def test_model_identity_follows_every_model_file(tmp_path):
     from pipeline.inference.doc_cache import model_identity
 
     (tmp_path / "model.safetensors").write_bytes(b"x" * 10)
+    (tmp_path / "tokenizer_config.json").write_text("{}")
     a = model_identity("m", {}, model_dir=tmp_path)
     assert a == model_identity("m", {}, model_dir=tmp_path) and a["device"] and a["mlx"]
     (tmp_path / "model.safetensors").write_bytes(b"y" * 11)
-    assert model_identity("m", {}, model_dir=tmp_path)["weights"] != a["weights"]
+    b = model_identity("m", {}, model_dir=tmp_path)
+    assert b["files"] != a["files"]
+    (tmp_path / "tokenizer_config.json").write_text('{"chat_template": "other"}')  # a new template, same weights
+    assert model_identity("m", {}, model_dir=tmp_path)["files"] != b["files"]
 
 
 def test_a_store_that_cannot_be_written_is_a_warning(tmp_path, prefilled, caplog):

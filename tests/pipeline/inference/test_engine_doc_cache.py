@@ -6,7 +6,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models import llama
 
-from pipeline.inference.doc_cache import DocCacheStore, DocKey, token_digest
+from pipeline.inference.doc_cache import DocCacheStore, DocKey
 from pipeline.inference.engine import Engine
 from pipeline.inference.prompt import DocumentPrompt
 from pipeline.schema.job import CacheSpec, TaskSpec
@@ -38,8 +38,8 @@ def make_prompt(n_doc: int) -> DocumentPrompt:
 
 
 def key_for(prompt: DocumentPrompt, spec: CacheSpec) -> DocKey:
-    return DocKey(content_hash="sha256:doc", pages=None, model={"name": "test:tiny-llama"},
-                  cache=spec.model_dump(mode="json"), context={"prefix": token_digest(prompt.prefix_ids)})
+    return DocKey(content_hash="sha256:d0c", pages=None, model={"name": "test:tiny-llama"},
+                  cache=spec.model_dump(mode="json"), context={"images": "auto"})
 
 
 SPECS = [
@@ -132,7 +132,7 @@ def test_vlm_with_page_images_and_mrope_positions_loads_exactly(tmp_path, tiny_v
     assert prompt.n_images == 1
     spec = CacheSpec(kv_quant_scheme="turboquant", kv_bits=3.5, window=16, prefill_chunk=32)
     first = Engine(loaded, spec, store=DocCacheStore(tmp_path))
-    key = first.document_key("sha256:0", ContextSpec(), prompt)
+    key = first.document_key("sha256:0", ContextSpec(), reads_images=True)
     fresh = first.process(prompt, TASKS, key=key)
     again = Engine(loaded, spec, store=DocCacheStore(tmp_path))
     cached = again.process(prompt, TASKS, key=key)

@@ -127,3 +127,27 @@ def test_vlm_page_images_become_image_tokens_at_their_page(vlm_builder):
     # every image token lies inside page 2's span
     assert prompt.page_offsets[2] < positions[0] and positions[-1] < prompt.page_offsets[3]
     assert prompt.image_inputs["pixel_values"].shape[0] == grid[0][0] * grid[0][1] * grid[0][2]
+
+
+@pytest.mark.parametrize("builder", ["text_builder", "vlm_builder"])
+def test_task_suffixes_without_a_document_equal_the_built_ones(builder, request):
+    """What lets a stored document cache be used without reading the document."""
+    b = request.getfixturevalue(builder)
+    doc = make_doc({2: Image.new("RGB", (56, 56))}) if builder == "vlm_builder" else make_doc()
+    assert b.task_ids(TASKS) == b.build(doc, ContextSpec(), TASKS).task_ids
+
+
+def test_a_prompt_survives_its_stored_fields(vlm_builder):
+    import json
+
+    from pipeline.inference.prompt import DocumentPrompt
+
+    doc = make_doc({2: Image.new("RGB", (56, 56))}, texts=[TEXTS[0], "", TEXTS[2]])
+    prompt = vlm_builder.build(doc, ContextSpec(), TASKS)
+    fields = json.loads(json.dumps(prompt.stored_fields()))  # as the cache file keeps them
+    back = DocumentPrompt.from_stored(prompt.prefix_ids, fields, prompt.task_ids)
+    assert back.pages_record() == prompt.pages_record() and back.truncation == prompt.truncation
+    assert back.n_images == prompt.n_images == 1 and back.n_tokens == prompt.n_tokens
+    assert [(s, e) for s, e, _ in back.image_spans] == [(s, e) for s, e, _ in prompt.image_spans]
+    with pytest.raises(ValueError, match="tokens"):
+        DocumentPrompt.from_stored(prompt.prefix_ids[:-1], fields, prompt.task_ids)
