@@ -105,6 +105,22 @@ def _crc(a: mx.array) -> int:
     return zlib.crc32(memoryview(mx.view(a, mx.uint8)))
 
 
+def _host_readable(a: mx.array) -> mx.array:
+    """``a`` as the writer may read it on the host, row-contiguous.
+
+    On CUDA the host reading an array's memory moves that array out of the
+    GPU into unified memory for good, which would leave the live cache the
+    tasks are about to read in host-side memory; so the writer reads a
+    bit-exact device copy instead (bytes, so -0.0 and NaN payloads survive).
+    """
+    from turboquant.attention import device
+
+    a = mx.contiguous(a)
+    if device.backend() == "cuda" and device.on_gpu() and a.size:
+        a = mx.view(mx.view(a, mx.uint8) + 0, a.dtype)
+    return a
+
+
 def _dumps(obj: Any) -> str:
     return json.dumps(obj, sort_keys=True, separators=(",", ":"))
 
@@ -136,7 +152,7 @@ def write(path: Path, caches: list, prefix_ids: list[int], *, key: dict, info: d
             leaves.append([path_key, leaf])
         else:
             raise UnsupportedCache(f"state leaf {path_key} of type {type(leaf).__name__}")
-    tensors = {name: mx.contiguous(a) for name, a in tensors.items()}  # one copy, shared by CRC and save
+    tensors = {name: _host_readable(a) for name, a in tensors.items()}  # shared by CRC and save
     mx.eval(list(tensors.values()))
     metadata = {
         "format": FORMAT,
@@ -188,6 +204,12 @@ def read_header(path: Path) -> tuple[dict, int]:
     header says, so listings and lookups reject truncated and foreign files
     cheaply.
     """
+    meta, size, _, _ = _header(path)
+    return meta, size
+
+
+def _header(path: Path) -> tuple[dict, int, dict, int]:
+    """``(metadata, file size, tensor entries, offset of the tensor bytes)``, checked."""
     try:
         with open(path, "rb") as f:
             raw = f.read(8)
@@ -204,26 +226,82 @@ def read_header(path: Path) -> tuple[dict, int]:
         raise CacheFileError(f"header is not JSON: {e}") from e
     if not isinstance(header, dict):
         raise CacheFileError("header is not a JSON object")
-    meta = header.get("__metadata__") or {}
+    meta = header.pop("__metadata__", None) or {}
     if meta.get("format") != FORMAT:
         raise CacheFileError(f"not a {FORMAT} file")
     if meta.get("version") != str(FORMAT_VERSION):
         raise CacheFileError(f"format version {meta.get('version')}, this tqpipe reads {FORMAT_VERSION}")
-    ends = [t["data_offsets"][1] for name, t in header.items() if name != "__metadata__"]
+    try:
+        ends = [int(t["data_offsets"][1]) for t in header.values()]
+    except (TypeError, KeyError, IndexError, ValueError) as e:
+        raise CacheFileError(f"tensor entries malformed: {e}") from e
     expected = 8 + n + max(ends, default=0)
     if size != expected:
         raise CacheFileError(f"{size} bytes, header describes {expected} (truncated or appended to)")
-    return meta, size
+    return meta, size, header, 8 + n
+
+
+_CRC_BLOCK = 16 << 20
+
+
+def _verify_bytes(f: Any, entries: dict, start: int, crcs: dict) -> None:
+    """Check every tensor's CRC-32 on the file's bytes, read in blocks into
+    one reusable host buffer (no MLX array is read back by the host)."""
+    if set(entries) != set(crcs):
+        raise CacheFileError("tensor list does not match the checksum list")
+    buf = bytearray(_CRC_BLOCK)
+    view = memoryview(buf)
+    try:
+        for name, t in sorted(entries.items(), key=lambda kv: kv[1]["data_offsets"][0]):
+            lo, hi = (int(x) for x in t["data_offsets"])
+            f.seek(start + lo)
+            crc, left = 0, hi - lo
+            while left:
+                n = f.readinto(view[: min(left, _CRC_BLOCK)])
+                if not n:
+                    raise CacheFileError(f"tensor {name!r} is cut short")
+                crc = zlib.crc32(view[:n], crc)
+                left -= n
+            if crc != crcs[name]:
+                raise CacheFileError(f"checksum mismatch in tensor {name!r}")
+    except (KeyError, TypeError, ValueError) as e:
+        raise CacheFileError(f"tensor entries malformed: {type(e).__name__}: {e}") from e
+
+
+def _load_verified(path: Path, entries: dict, start: int, crcs: dict) -> dict[str, mx.array]:
+    """The file's tensors as MLX arrays, checksummed on the bytes on disk.
+
+    The bytes are verified through one open handle, then ``mx.load`` reads
+    them straight into MLX buffers (device memory on CUDA): checksumming the
+    loaded arrays instead would make the host read device memory, which
+    moves the whole cache out of the GPU's memory.  Files are only ever
+    replaced whole (renamed), so if the path still names the verified file
+    after the load, the load read that file.
+    """
+    try:
+        with open(path, "rb") as f:
+            _verify_bytes(f, entries, start, crcs)
+            arrays = mx.load(str(path))
+            mx.eval(list(arrays.values()))
+            if os.stat(path).st_ino != os.fstat(f.fileno()).st_ino:
+                raise CacheFileError("replaced while it was read")
+    except OSError as e:
+        raise CacheFileError(f"cannot read tensors: {e}") from e
+    except (RuntimeError, ValueError) as e:
+        raise CacheFileError(f"cannot load tensors: {e}") from e
+    if set(arrays) != set(entries):
+        raise CacheFileError("the loaded tensors are not the ones the header lists")
+    return arrays
 
 
 def read(path: Path, *, key: dict | None = None) -> CacheFile:
     """Load and verify a cache file; ``key`` (if given) must equal the stored one.
 
-    All tensor bytes are read and checksummed here, so a file that passes is
-    entirely in memory and a later eviction or rewrite of ``path`` cannot
-    reach the returned caches.
+    All tensor bytes are checksummed (on the bytes on disk) and loaded here,
+    so a file that passes is entirely in memory and a later eviction or
+    rewrite of ``path`` cannot reach the returned caches.
     """
-    meta, _ = read_header(path)
+    meta, _, entries, start = _header(path)
     try:
         stored_key = json.loads(meta["key"])
         info = json.loads(meta["info"])
@@ -239,16 +317,9 @@ def read(path: Path, *, key: dict | None = None) -> CacheFile:
     unknown = [c for c in ids if c not in table]
     if unknown:
         raise CacheFileError(f"unknown cache classes {unknown}")
-    try:
-        arrays = mx.load(str(path))
-        mx.eval(list(arrays.values()))
-    except (RuntimeError, ValueError, OSError) as e:
-        raise CacheFileError(f"cannot load tensors: {e}") from e
-    if set(arrays) != set(crcs):
-        raise CacheFileError("tensor list does not match the checksum list")
-    for name, a in arrays.items():
-        if _crc(a) != crcs[name]:
-            raise CacheFileError(f"checksum mismatch in tensor {name!r}")
+    arrays = _load_verified(path, entries, start, crcs)
+    if "prefix_ids" not in arrays:
+        raise CacheFileError("no prefix_ids tensor")
     prefix = arrays.pop("prefix_ids")
     flat = [(name[len("kv."):], a) for name, a in arrays.items()] + [(p, v) for p, v in leaves]
     try:

@@ -159,3 +159,43 @@ def test_half_precision_caches_round_trip_bit_exactly(tmp_path, dtype):
     (back,) = kv_file.read(tmp_path / "c.safetensors", key=KEY).caches
     assert back.keys.dtype == dtype and back.offset == 40
     assert mx.array_equal(back.keys, k).item() and mx.array_equal(back.values, -k).item()
+
+
+def test_the_loader_checks_the_file_and_never_reads_a_loaded_array(tmp_path, model, monkeypatch):
+    """On CUDA the host reading an array moves it out of GPU memory for good:
+    the checksums are taken on the file's bytes, not on the loaded arrays."""
+    path = _written(tmp_path, model)
+
+    def host_read(a):
+        raise AssertionError("the loader read an MLX array on the host")
+
+    monkeypatch.setattr(kv_file, "_crc", host_read)
+    assert kv_file.read(path, key=KEY).prefix_ids
+
+
+def test_a_file_replaced_while_it_is_read_is_refused(tmp_path, model, monkeypatch):
+    path = _written(tmp_path, model)
+    other = tmp_path / "other.safetensors"
+    other.write_bytes(path.read_bytes())
+    real_load = mx.load
+
+    def load_then_replace(p):
+        arrays = real_load(p)
+        other.replace(path)  # a writer of the same key renames its file into place
+        return arrays
+
+    monkeypatch.setattr(mx, "load", load_then_replace)
+    with pytest.raises(CacheFileError, match="replaced while it was read"):
+        kv_file.read(path, key=KEY)
+
+
+def test_the_writer_reads_bit_exact_device_copies_on_cuda(monkeypatch):
+    from turboquant.attention import device
+
+    a = mx.array([[-0.0, 1.5], [float("nan"), 3.0]], dtype=mx.bfloat16)
+    monkeypatch.setattr(device, "backend", lambda: "cuda")
+    monkeypatch.setattr(device, "on_gpu", lambda: True)
+    copy = kv_file._host_readable(a)
+    assert copy.dtype == a.dtype and copy.shape == a.shape
+    assert mx.array_equal(mx.view(copy, mx.uint16), mx.view(a, mx.uint16)).item()  # -0.0 and NaN bits kept
+    assert kv_file._host_readable(mx.zeros((0, 4), dtype=mx.uint8)).shape == (0, 4)
