@@ -18,14 +18,17 @@ Where each key comes from (the records, nothing re-timed):
 
 * ``prefill_s``: the storing run's ``timing.prefill_s`` (chunked prefill of the document);
 * ``save_s`` / ``load_s``: ``cache.doc_cache.save_s`` of the storing run / ``load_s`` of the added-task run
-  (load = read + CRC-32 of every tensor + rebuilding the layer caches);
+  (load = CRC-32 of every tensor on the file + reading it + rebuilding the layer caches);
 * ``ttft_fresh_s`` = the reference run's ``ingest_s + prefill_s + task_prefill_s``;
-  ``ttft_cached_s`` = the added-task run's ``ingest_s + load_s + task_prefill_s``: from the
+  ``ttft_cached_s`` = the added-task run's ``ingest_s + lookup_s + load_s + task_prefill_s``
+  (``ingest_s`` 0 and ``cache.doc_cache.ingest == "skipped"`` when the store was used without
+  reading the document; ``lookup_s``: finding the entry and checking it fits): from the
   start of the document to its first generated token, model load excluded
   (it is the same in both) and so is tokenization (not in the records);
 * ``bytes_on_disk``: the store entry's file size; ``bytes_in_memory``: the storing run's
   ``cache.nbytes_after_prefill`` (the bytes the cache holds for its tokens);
-* ``identical``: the added-task run's answer == the reference run's answer.
+* ``identical``: the added-task run's answer == the reference run's answer;
+* ``records_timing``: each run's ``timing`` and ``cache.doc_cache`` fields, as recorded.
 
 ``--tiny`` is the CPU smoke test: 2 pages, chunks of 128, 4 new tokens.
 """
@@ -105,13 +108,16 @@ def measure(work: Path, *, pages: int, chunk: int, kv_bits: float, task_tokens: 
     return {
         "tokens": tokens,
         "pages": pages,
+        "truncated": bool(first["context"].get("truncated")),
         "prefill_s": tf["prefill_s"],
         "save_s": first["cache"]["doc_cache"]["save_s"],
         "load_s": hit.get("load_s"),
         "cache_hit": bool(hit["hit"]),
         "rerun_prefill_s": ta["prefill_s"],
         "ttft_fresh_s": round(tr["ingest_s"] + tr["prefill_s"] + tr["task_prefill_s"], 4),
-        "ttft_cached_s": round(ta["ingest_s"] + (hit.get("load_s") or 0) + ta["task_prefill_s"], 4),
+        "ttft_cached_s": round(ta["ingest_s"] + (hit.get("lookup_s") or 0) + (hit.get("load_s") or 0)
+                               + ta["task_prefill_s"], 4),
+        "ingest_skipped": hit.get("ingest") == "skipped",
         "bytes_on_disk": bytes_on_disk,
         "bytes_in_memory": bytes_in_memory,
         "disk_per_token": bytes_on_disk / tokens,
@@ -120,15 +126,20 @@ def measure(work: Path, *, pages: int, chunk: int, kv_bits: float, task_tokens: 
         "answer_cached": added["output"],
         "answer_fresh": fresh["output"],
         "wall_s": {k: round(v, 1) for k, v in walls.items()},
+        "records_timing": {name: {**r["timing"], **(r["cache"].get("doc_cache") or {})}
+                           for name, r in (("first", first), ("added", added), ("fresh", fresh))},
     }
 
 
 def report(r: dict) -> str:
     return "\n".join([
-        f"document: {r['pages']} pages, {r['tokens']} tokens (TurboQuant cache)",
+        f"document: {r['pages']} pages, {r['tokens']} tokens (TurboQuant cache)"
+        + (" -- CUT TO FIT the context: a cut document is read again on every run; use fewer pages"
+           if r["truncated"] else ""),
         f"storing run (one task): prefill {r['prefill_s']:.2f} s, store write {r['save_s']:.2f} s",
         f"reference run (added task, store off): time to first token {r['ttft_fresh_s']:.2f} s",
-        f"added-task run: load {r['load_s']:.3f} s (hit={r['cache_hit']}, prefill {r['rerun_prefill_s']} s), "
+        f"added-task run: load {r['load_s']:.3f} s (hit={r['cache_hit']}, prefill {r['rerun_prefill_s']} s, "
+        f"reading skipped: {r['ingest_skipped']}), "
         f"time to first token {r['ttft_cached_s']:.3f} s = {100 * r['ttft_cached_s'] / r['prefill_s']:.2f}% of the storing run's prefill",
         f"bytes: {r['bytes_on_disk']} on disk vs {r['bytes_in_memory']} in memory "
         f"({r['disk_per_token']:.1f} vs {r['memory_per_token']:.1f} per token, {r['bytes_on_disk'] / r['bytes_in_memory']:.4f}x)",

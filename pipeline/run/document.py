@@ -74,9 +74,10 @@ def process_document(
         engine, prompt, doc, state = reused
         ingest_s, key, info = 0.0, None, None
     else:
+        reads_images = engines.reads_images()  # once per run (it may import the model library): not reading time
         t0 = time.perf_counter()
         try:
-            doc = ingest(ref, job.spec.context, model_reads_images=engines.reads_images(), digest=digest)
+            doc = ingest(ref, job.spec.context, model_reads_images=reads_images, digest=digest)
         except (IngestError, OSError) as e:
             yield from error_records(job, ref, digest, names, keys, error_info(e, stage="ingest"))
             return  # an OSError here (EIO, vanished) is marked transient: a plain rerun retries it
@@ -147,11 +148,14 @@ def reuse_stored(engines: Engines, job: Job, ref: DocumentRef, digest: str,
     from pipeline.inference.engine import reserve_for
 
     store = store_for_job(job)
+    reads_images = engines.reads_images()  # before a model load, as when the document is read
+    t0 = time.perf_counter()
     for entry in store.candidates(digest):
         if not entry.info.get("reusable"):
             continue
-        reads_images = engines.reads_images()  # before a load, as when the document is read
+        t_model = time.perf_counter()
         engine = engines.get(bool(entry.info.get("needs_images")))
+        t0 += time.perf_counter() - t_model  # a model load is no part of the lookup (nor of a reading)
         key = engine.document_key(digest, job.spec.context, reads_images=reads_images)
         if key is None or store.path_for(key) != entry.path:
             continue
@@ -161,6 +165,7 @@ def reuse_stored(engines: Engines, job: Job, ref: DocumentRef, digest: str,
         if entry.info["prompt"]["tokens"] > task_budget(effective_context(job.spec.context, loaded.config),
                                                          tasks, task_ids):
             continue
+        lookup_s = time.perf_counter() - t0
         hit = store.load(key)
         if hit is None:
             continue
@@ -168,6 +173,6 @@ def reuse_stored(engines: Engines, job: Job, ref: DocumentRef, digest: str,
         state = engine.load_cached(prompt, key, reserve=reserve_for(prompt, tasks), hit=hit)
         if state is None:
             continue
-        state.doc_cache["ingest"] = "skipped"
+        state.doc_cache.update(ingest="skipped", lookup_s=round(lookup_s, 4))
         return engine, prompt, Document.from_stored(ref, digest, hit.info["document"]), state
     return None
