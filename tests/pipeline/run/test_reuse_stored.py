@@ -110,3 +110,21 @@ def test_a_task_that_no_longer_fits_reads_the_document(folder, tiny_vlm_dir):
     (rec,) = run(write_job(folder, tiny_vlm_dir, [("a", 4), ("b", big)], max_tokens=512))[1:]
     assert rec["timing"]["ingest_s"] > 0 and rec["context"]["truncated"] is True
     assert rec["tokens"]["document"] < tokens
+
+
+def test_page_images_are_answered_from_the_store_without_rendering(tmp_path, tiny_vlm_dir, monkeypatch):
+    """A VLM document with a scanned page: the stored cache holds the image
+    tokens' keys and values and the multimodal position offset, so the page
+    is not rendered again and the answer equals a full run's."""
+    from pipeline.inputs.samples import make_mixed_pdf
+
+    (tmp_path / "docs").mkdir()
+    make_mixed_pdf(tmp_path / "docs" / "mixed.pdf", [("Harbor report, page one.", False),
+                                                     ("A scanned page: revenue grew by 12 percent.", True)])
+    first = run(write_job(tmp_path, tiny_vlm_dir, [("a", 4)]))
+    assert first[0]["context"]["n_images"] == 1 and first[0]["pages"]["via"]["2"] == "image"
+    fresh = run(write_job(tmp_path, tiny_vlm_dir, [("b", 4)], store="other-store", output="fresh.jsonl", name="fresh"))
+    no_reading(monkeypatch)
+    (rec,) = run(write_job(tmp_path, tiny_vlm_dir, [("a", 4), ("b", 4)]))[1:]
+    assert rec["cache"]["doc_cache"]["ingest"] == "skipped"
+    assert comparable(rec) == comparable(fresh[0])
