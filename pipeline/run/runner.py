@@ -223,10 +223,14 @@ def _run_document(engines: Engines, job: Job, work: DocumentWork, log: ResultLog
         summary.failed_documents.append(text_safe(ref.doc_id))
     if ok:  # one plain line per document, terminal or cron
         t, mem = ok[0]["timing"], ok[-1]["memory"]
+        stored = ok[0]["cache"].get("doc_cache") or {}
+        how = (f"loaded from the document cache in {stored.get('load_s', 0):.1f} s"
+               + (" (document not read)" if stored.get("ingest") == "skipped" else "")
+               if stored.get("hit") else f"prefilled in {t['prefill_s']:.1f} s")
         logger.info(
-            "%s: %d tokens prefilled in %.1f s, %d tasks, %d tokens generated in %.1f s, KV cache %s, "
+            "%s: %d tokens %s, %d tasks, %d tokens generated in %.1f s, KV cache %s, "
             "peak memory %.0f MiB MLX / %.0f MiB max RSS",
-            shown(ref.doc_id), ok[0]["tokens"]["document"], t["prefill_s"], len(ok),
+            shown(ref.doc_id), ok[0]["tokens"]["document"], how, len(ok),
             sum(r["tokens"]["generated"] for r in ok), sum(r["timing"]["decode_s"] for r in ok),
             describe(ok[0]["cache"]), mem["mx_peak_bytes"] / 2**20, mem["max_rss_bytes"] / 2**20,
         )

@@ -60,7 +60,7 @@ def comparable(record: dict) -> dict:
     return out
 
 
-def test_an_added_task_is_answered_from_the_store_without_reading(folder, tiny_vlm_dir, monkeypatch):
+def test_an_added_task_is_answered_from_the_store_without_reading(folder, tiny_vlm_dir, monkeypatch, caplog):
     first = run(write_job(folder, tiny_vlm_dir, [("a", 4)]))
     assert first[0]["cache"]["doc_cache"]["saved"] and first[0]["timing"]["ingest_s"] > 0
 
@@ -74,6 +74,7 @@ def test_an_added_task_is_answered_from_the_store_without_reading(folder, tiny_v
     assert rec["cache"]["doc_cache"]["ingest"] == "skipped" and rec["cache"]["doc_cache"]["lookup_s"] >= 0
     assert rec["timing"]["ingest_s"] == 0.0 and rec["timing"]["prefill_s"] == 0.0
     assert comparable(rec) == comparable(fresh[0])  # output, pages, context, warnings, tokens, cache sizes
+    assert "tokens loaded from the document cache in" in caplog.text and "(document not read)" in caplog.text
 
 
 def test_a_renamed_copy_is_answered_from_the_store(folder, tiny_vlm_dir, monkeypatch):
