@@ -551,12 +551,12 @@ def cache_ls(job_file: str | None, path: str | None, as_json: bool) -> None:
         row = {"entry": e.name, "bytes": e.nbytes, "last_used": time.strftime("%Y-%m-%d %H:%M", time.localtime(e.last_used)),
                "tokens": e.info.get("length"), "model": (e.key.get("model") or {}).get("name"),
                "scheme": (e.key.get("cache") or {}).get("kv_quant_scheme"), "source": e.info.get("source"),
-               "error": e.error}
+               "reusable": e.info.get("reusable"), "error": e.error}
         if as_json:
             click.echo(orjson.dumps(row).decode())
         else:
             what = f"ERROR {e.error}" if e.error else f"{row['tokens']} tok  {row['scheme']}  {row['model']}  {row['source']}"
-            click.echo(f"{e.name[:12]}  {e.nbytes / 2**20:9.1f} MiB  {row['last_used']}  {what}")
+            click.echo(f"{e.name[:25]}  {e.nbytes / 2**20:9.1f} MiB  {row['last_used']}  {what}")  # content-key
     if not as_json:
         total = sum(e.nbytes for e in entries)
         click.echo(f"{len(entries)} entries, {total / 2**30:.2f} of {store.max_bytes / 2**30:.2f} GiB in {store.root}", err=True)

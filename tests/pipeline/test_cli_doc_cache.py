@@ -86,3 +86,22 @@ def test_ask_plain_output_and_a_store_that_is_off(tmp_path, tiny_vlm_dir):
     job = tmp_path / "off.yaml"
     job.write_text("name: off\ninputs: [a.pdf]\ntasks: [{name: a, prompt: p}]\noutput: o.jsonl\ncache_store: {max_gb: 0}\n")
     assert invoke("cache", "ls", "--job", str(job)).exit_code == 2
+
+
+def test_cache_ls_tells_apart_two_entries_of_one_document(tmp_path, tiny_vlm_dir):
+    """Entries are named <content hash>-<key>: `ls` shows both parts, so two
+    caches of one document (another cache setting) have distinct ids, and
+    `rm` with the content part removes every cache of that document."""
+    job = make_job(tmp_path, tiny_vlm_dir, tasks=1)
+    assert invoke("run", str(job), "--no-progress").exit_code == 0
+    job.write_text(job.read_text().replace("kv_bits: 3.5", "kv_bits: 2.5"))
+    assert invoke("run", str(job), "--no-progress").exit_code == 0
+    rows = [orjson.loads(x) for x in invoke("cache", "ls", "--job", str(job), "--json").stdout.splitlines()]
+    assert len(rows) == 4 and all(r["reusable"] is True for r in rows)
+    shown = [line.split()[0] for line in invoke("cache", "ls", "--job", str(job)).stdout.splitlines()]
+    assert len(set(shown)) == 4
+    doc0 = {r["entry"].split("-")[0] for r in rows if r["source"].endswith("doc0.pdf")}
+    assert len(doc0) == 1
+    assert invoke("cache", "rm", doc0.pop(), "--job", str(job)).exit_code == 0
+    left = [orjson.loads(x) for x in invoke("cache", "ls", "--job", str(job), "--json").stdout.splitlines()]
+    assert len(left) == 2 and all(r["source"].endswith("doc1.pdf") for r in left)
