@@ -46,10 +46,17 @@ def greedy(model, caches, start: int, steps: int = 6) -> list[int]:
     ("fp16", {}),
     ("affine", {"kv_bits": 4, "affine_group_size": 32}),
 ])
-def test_round_trip_continues_exactly_like_the_original(tmp_path, model, scheme, opts):
+@pytest.mark.parametrize("writer", ["host", "cuda-copies"])
+def test_round_trip_continues_exactly_like_the_original(tmp_path, model, scheme, opts, writer, monkeypatch):
     caches, ids = prefill(model, scheme, **opts)
     path = tmp_path / "c.safetensors"
+    if writer == "cuda-copies":  # the writer's CUDA path (device copies of every tensor), run on this CPU
+        from turboquant.attention import device
+
+        monkeypatch.setattr(device, "backend", lambda: "cuda")
+        monkeypatch.setattr(device, "on_gpu", lambda: True)
     nbytes = kv_file.write(path, caches, ids, key=KEY, info={"length": len(ids)})
+    monkeypatch.undo()
     assert nbytes == path.stat().st_size
     got = kv_file.read(path, key=KEY)
     assert got.prefix_ids == ids and got.info == {"length": len(ids)} and got.key == KEY
