@@ -508,7 +508,8 @@ def ask(file: str, prompt: str, job_file: str | None, model: str | None, max_tok
         _fail(f"{file}: {record['error']['message']}", EXIT_FAILED)
     store = record["cache"].get("doc_cache")
     if store is not None:
-        how = (f"cache loaded in {store['load_s']:.2f} s" if store["hit"]
+        how = (f"cache loaded in {store['load_s']:.2f} s"
+               + (" (document not read)" if store.get("ingest") == "skipped" else "") if store["hit"]
                else f"prefilled in {record['timing']['prefill_s']:.1f} s" + (", cache stored" if store.get("saved") else ""))
         click.echo(f"{record['tokens']['document']} document tokens, {how}", err=True)
     sys.exit(EXIT_OK)

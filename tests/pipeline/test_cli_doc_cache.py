@@ -75,6 +75,9 @@ def test_ask_without_a_job_stores_then_loads(tmp_path, tiny_vlm_dir, _isolated_d
             "--max-tokens", "4", "--json")
     one, two = (orjson.loads(invoke(*args).stdout.splitlines()[0]) for _ in range(2))
     assert one["cache"]["doc_cache"]["hit"] is False and two["cache"]["doc_cache"]["hit"] is True
+    assert two["cache"]["doc_cache"]["ingest"] == "skipped"
+    plain = invoke(*args[:-1])
+    assert "cache loaded in" in plain.output and "(document not read)" in plain.output
     assert one["output"] == two["output"] and one["status"] == two["status"] == "ok"
     assert len(list(_isolated_doc_caches.glob("*.safetensors"))) == 1  # the default store
 
