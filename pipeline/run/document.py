@@ -169,10 +169,15 @@ def reuse_stored(engines: Engines, job: Job, ref: DocumentRef, digest: str,
         hit = store.load(key)
         if hit is None:
             continue
-        prompt = DocumentPrompt.from_stored(hit.prefix_ids, hit.info["prompt"], task_ids)
+        try:
+            prompt = DocumentPrompt.from_stored(hit.prefix_ids, hit.info["prompt"], task_ids)
+            doc = Document.from_stored(ref, digest, hit.info["document"])
+        except (KeyError, TypeError, ValueError) as e:  # checksummed, yet not what this tqpipe wrote
+            store.discard(key, f"its stored prompt is unusable: {type(e).__name__}: {e}")
+            continue
         state = engine.load_cached(prompt, key, reserve=reserve_for(prompt, tasks), hit=hit)
         if state is None:
             continue
         state.doc_cache.update(ingest="skipped", lookup_s=round(lookup_s, 4))
-        return engine, prompt, Document.from_stored(ref, digest, hit.info["document"]), state
+        return engine, prompt, doc, state
     return None

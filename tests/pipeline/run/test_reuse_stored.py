@@ -129,3 +129,18 @@ def test_page_images_are_answered_from_the_store_without_rendering(tmp_path, tin
     (rec,) = run(write_job(tmp_path, tiny_vlm_dir, [("a", 4), ("b", 4)]))[1:]
     assert rec["cache"]["doc_cache"]["ingest"] == "skipped"
     assert comparable(rec) == comparable(fresh[0])
+
+
+def test_an_entry_whose_stored_prompt_is_unusable_is_dropped_and_the_document_read(folder, tiny_vlm_dir, monkeypatch,
+                                                                                   caplog):
+    import pipeline.inference.prompt as prompt_mod
+
+    run(write_job(folder, tiny_vlm_dir, [("a", 4)]))
+
+    def broken(cls, *a, **k):
+        raise ValueError("stored prompt lists 3 tokens, the cache holds 4")
+
+    monkeypatch.setattr(prompt_mod.DocumentPrompt, "from_stored", classmethod(broken))
+    (rec,) = run(write_job(folder, tiny_vlm_dir, [("a", 4), ("b", 4)]))[1:]
+    assert rec["status"] == "ok" and rec["timing"]["ingest_s"] > 0 and rec["cache"]["doc_cache"]["hit"] is False
+    assert "its stored prompt is unusable" in caplog.text
