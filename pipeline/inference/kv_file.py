@@ -212,14 +212,23 @@ def _header(path: Path) -> tuple[dict, int, dict, int]:
     """``(metadata, file size, tensor entries, offset of the tensor bytes)``, checked."""
     try:
         with open(path, "rb") as f:
-            raw = f.read(8)
-            if len(raw) < 8:
-                raise CacheFileError("shorter than a safetensors header")
-            (n,) = struct.unpack("<Q", raw)
-            if n > _MAX_HEADER:
-                raise CacheFileError("not a safetensors file (header length out of range)")
-            header = json.loads(f.read(n))
-        size = os.stat(path).st_size
+            return _parse_header(f)
+    except OSError as e:
+        raise CacheFileError(f"cannot read: {e}") from e
+
+
+def _parse_header(f: Any) -> tuple[dict, int, dict, int]:
+    """:func:`_header` of an open file (read from its start)."""
+    try:
+        f.seek(0)
+        raw = f.read(8)
+        if len(raw) < 8:
+            raise CacheFileError("shorter than a safetensors header")
+        (n,) = struct.unpack("<Q", raw)
+        if n > _MAX_HEADER:
+            raise CacheFileError("not a safetensors file (header length out of range)")
+        header = json.loads(f.read(n))
+        size = os.fstat(f.fileno()).st_size
     except OSError as e:
         raise CacheFileError(f"cannot read: {e}") from e
     except ValueError as e:
@@ -268,30 +277,11 @@ def _verify_bytes(f: Any, entries: dict, start: int, crcs: dict) -> None:
         raise CacheFileError(f"tensor entries malformed: {type(e).__name__}: {e}") from e
 
 
-def _load_verified(path: Path, entries: dict, start: int, crcs: dict) -> dict[str, mx.array]:
-    """The file's tensors as MLX arrays, checksummed on the bytes on disk.
+class _Replaced(Exception):
+    """The path was renamed over while it was read (by a writer of the same key)."""
 
-    The bytes are verified through one open handle, then ``mx.load`` reads
-    them straight into MLX buffers (device memory on CUDA): checksumming the
-    loaded arrays instead would make the host read device memory, which
-    moves the whole cache out of the GPU's memory.  Files are only ever
-    replaced whole (renamed), so if the path still names the verified file
-    after the load, the load read that file.
-    """
-    try:
-        with open(path, "rb") as f:
-            _verify_bytes(f, entries, start, crcs)
-            arrays = mx.load(str(path))
-            mx.eval(list(arrays.values()))
-            if os.stat(path).st_ino != os.fstat(f.fileno()).st_ino:
-                raise CacheFileError("replaced while it was read")
-    except OSError as e:
-        raise CacheFileError(f"cannot read tensors: {e}") from e
-    except (RuntimeError, ValueError) as e:
-        raise CacheFileError(f"cannot load tensors: {e}") from e
-    if set(arrays) != set(entries):
-        raise CacheFileError("the loaded tensors are not the ones the header lists")
-    return arrays
+
+READ_ATTEMPTS = 3  # a writer renaming a new file in mid-read costs a retry, not a miss
 
 
 def read(path: Path, *, key: dict | None = None) -> CacheFile:
@@ -299,25 +289,49 @@ def read(path: Path, *, key: dict | None = None) -> CacheFile:
 
     All tensor bytes are checksummed (on the bytes on disk) and loaded here,
     so a file that passes is entirely in memory and a later eviction or
-    rewrite of ``path`` cannot reach the returned caches.
+    rewrite of ``path`` cannot reach the returned caches.  A file renamed
+    into place by another writer while it is read is read again.
     """
-    meta, _, entries, start = _header(path)
+    for _ in range(READ_ATTEMPTS):
+        try:
+            return _read_once(path, key)
+        except _Replaced:
+            continue
+    raise CacheFileError(f"replaced while it was read, {READ_ATTEMPTS} times")
+
+
+def _read_once(path: Path, key: dict | None) -> CacheFile:
+    """One :func:`read`: header and checksums through one open handle, then
+    ``mx.load`` straight into MLX buffers (device memory on CUDA).
+
+    Checksumming the loaded arrays instead would make the host read device
+    memory, which moves the whole cache out of the GPU's memory.  Files are
+    only ever replaced whole (renamed), so if the path still names the
+    handle's file after the load, every byte came from that file; otherwise
+    :class:`_Replaced`.
+    """
     try:
-        stored_key = json.loads(meta["key"])
-        info = json.loads(meta["info"])
-        ids = json.loads(meta["layers"])
-        leaves = json.loads(meta["leaves"])
-        crcs = json.loads(meta["crc32"])
-    except (KeyError, ValueError) as e:
-        raise CacheFileError(f"metadata incomplete: {e}") from e
-    if key is not None and stored_key != key:
-        diff = sorted(k for k in set(key) | set(stored_key) if key.get(k) != stored_key.get(k))
-        raise CacheFileError(f"computed from something else (differs in: {', '.join(diff)})")
-    table = _class_table()
-    unknown = [c for c in ids if c not in table]
-    if unknown:
-        raise CacheFileError(f"unknown cache classes {unknown}")
-    arrays = _load_verified(path, entries, start, crcs)
+        with open(path, "rb") as f:
+            meta, _, entries, start = _parse_header(f)
+            stored_key, info, ids, leaves, crcs = _metadata(meta)
+            if key is not None and stored_key != key:
+                diff = sorted(k for k in set(key) | set(stored_key) if key.get(k) != stored_key.get(k))
+                raise CacheFileError(f"computed from something else (differs in: {', '.join(diff)})")
+            table = _class_table()
+            unknown = [c for c in ids if c not in table]
+            if unknown:
+                raise CacheFileError(f"unknown cache classes {unknown}")
+            _verify_bytes(f, entries, start, crcs)
+            arrays = mx.load(str(path))
+            mx.eval(list(arrays.values()))
+            if os.stat(path).st_ino != os.fstat(f.fileno()).st_ino:
+                raise _Replaced()
+    except OSError as e:
+        raise CacheFileError(f"cannot read tensors: {e}") from e
+    except (RuntimeError, ValueError) as e:
+        raise CacheFileError(f"cannot load tensors: {e}") from e
+    if set(arrays) != set(entries):
+        raise CacheFileError("the loaded tensors are not the ones the header lists")
     if "prefix_ids" not in arrays:
         raise CacheFileError("no prefix_ids tensor")
     prefix = arrays.pop("prefix_ids")
@@ -332,3 +346,12 @@ def read(path: Path, *, key: dict | None = None) -> CacheFile:
     except (TypeError, ValueError, KeyError, IndexError) as e:
         raise CacheFileError(f"cannot rebuild the caches: {type(e).__name__}: {e}") from e
     return CacheFile(caches=caches, prefix_ids=prefix.tolist(), key=stored_key, info=info)
+
+
+def _metadata(meta: dict) -> tuple[dict, dict, list, list, dict]:
+    """``(key, info, layer class ids, non-array leaves, CRC-32s)`` of a header's metadata."""
+    try:
+        return (json.loads(meta["key"]), json.loads(meta["info"]), json.loads(meta["layers"]),
+                json.loads(meta["leaves"]), json.loads(meta["crc32"]))
+    except (KeyError, ValueError) as e:
+        raise CacheFileError(f"metadata incomplete: {e}") from e
