@@ -76,17 +76,11 @@ class DocumentPrompt:
 
     def stored_fields(self) -> dict:
         """What a stored document cache keeps of this prompt besides its token
-        ids, so a later run can use the cache without reading the document
-        (JSON data; :meth:`from_stored` is the inverse)."""
-        return {
-            "tokens": len(self.prefix_ids),
-            "page_offsets": {str(p): o for p, o in self.page_offsets.items()},
-            "included_pages": list(self.included_pages),
-            "skipped_pages": list(self.skipped_pages),
-            "image_spans": [[s, e] for s, e, _ in self.image_spans],
-            "truncation": dict(self.truncation),
-            "page_via": {str(p): v for p, v in self.page_via.items()},
-        }
+        ids, so a later run can use the cache without reading the document:
+        the record's ``pages`` field plus the token count, image token ranges
+        and truncation (JSON data; :meth:`from_stored` is the inverse)."""
+        return {**self.pages_record(), "tokens": len(self.prefix_ids),
+                "image_spans": [[s, e] for s, e, _ in self.image_spans], "truncation": dict(self.truncation)}
 
     @classmethod
     def from_stored(cls, prefix_ids: list[int], fields: dict, task_ids: dict[str, list[int]]) -> "DocumentPrompt":
@@ -98,12 +92,12 @@ class DocumentPrompt:
         return cls(
             prefix_ids=list(prefix_ids),
             task_ids=task_ids,
-            page_offsets={int(p): int(o) for p, o in fields["page_offsets"].items()},
-            included_pages=[int(p) for p in fields["included_pages"]],
-            skipped_pages=list(fields["skipped_pages"]),
+            page_offsets={int(p): int(o) for p, o in fields["token_offsets"].items()},
+            included_pages=[int(p) for p in fields["included"]],
+            skipped_pages=list(fields["skipped"]),
             image_spans=[(int(s), int(e), {}) for s, e in fields["image_spans"]],
             truncation=dict(fields["truncation"]),
-            page_via={int(p): v for p, v in fields["page_via"].items()},
+            page_via={int(p): v for p, v in fields["via"].items()},
         )
 
     def pages_record(self) -> dict:

@@ -92,7 +92,7 @@ def process_document(
             stage = "context"
             builder = PromptBuilder(loaded.tokenizer, processor=loaded.processor, kind=loaded.kind)
             prompt = builder.build(doc, effective_context(job.spec.context, loaded.config), tasks)
-            key = engine.document_key(digest, job.spec.context, reads_images=engines.reads_images())
+            key = engine.document_key(digest, job.spec.context, reads_images=reads_images)
             info = stored_info(ref, doc, prompt, builder, tasks) if key is not None else None
         if on_prompt is not None:
             on_prompt(prompt)
