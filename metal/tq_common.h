@@ -48,7 +48,7 @@ struct tq_split_params {
   int toks;       // tokens per split
   int hkv;        // kv heads
   int splits;     // splits S per (batch, kv head)
-  int rows;       // query rows R per kv head (tq_decode_tc)
+  int rows;       // query rows R per kv head (tq_decode_tc, tq_decode_reduce)
   int row_tiles;  // tiles of 16 rows, ceil(R / 16) (tq_decode_tc)
 };
 

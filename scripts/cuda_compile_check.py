@@ -169,7 +169,7 @@ CASES = [
      [("D", 64), ("BK", 2), ("BV", 3), ("NW", 4)]),
     ("tq_decode_tc8_fused", _fused_ins("float32"), ["float32", "float32"],
      [("D", 128), ("BK", 4), ("BV", 4), ("NW", 8), ("MINB", 2)]),
-    ("tq_decode_reduce", ["float32", "float32", "float32", "int32"], ["float32"] * 2, [("D", 128), ("GL", 4)]),
+    ("tq_decode_reduce", ["float32", "float32", "float32", "int32"], ["float32"] * 2, [("D", 128)]),
     ("tq_dequant", ["uint32", "float16", "float32", "float32", "int32"], ["float16"],
      [("D", 128), ("BITS", 3), ("T", "float16")]),
     ("tq_dequant", ["uint32", "float16", "float32", "float32", "int32"], ["bfloat16"],

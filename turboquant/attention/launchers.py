@@ -73,7 +73,7 @@ def decode(
         if cfg is None:
             raise ValueError(f"decode kernel: unsupported head dim {D} with {R} query rows")
         S, NW = cfg["S"], cfg["NW"]
-        params = split_params(n, cap, cfg["TOKS"], H, S)
+        params = split_params(n, cap, cfg["TOKS"], H, S, R)
         po, pm, pl = launch(
             "tq_decode", inputs=inputs + [f32(key_centroids), f32(value_centroids), params],
             template=[("D", D), ("BK", key_bits), ("BV", value_bits), ("GL", R),
@@ -85,7 +85,7 @@ def decode(
     else:
         raise ValueError(f"decode: {route} is not a split-K kernel route")
     out, lse = launch(
-        "tq_decode_reduce", inputs=[po, pm, pl, params], template=[("D", D), ("GL", R)],
+        "tq_decode_reduce", inputs=[po, pm, pl, params], template=[("D", D)],
         grid=(D, R, B * H), threadgroup=(D, 1, 1),
         output_shapes=[(B, H, R, D), (B, H, R)], output_dtypes=[mx.float32] * 2,
     )

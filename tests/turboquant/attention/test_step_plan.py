@@ -111,3 +111,23 @@ def test_general_dispatch_takes_the_other_cuda_routes(fake_cuda, monkeypatch):
     q = mx.random.normal((1, 8, 3, 128)).astype(mx.float16)  # 12 rows: 16-row tiles
     turboquant_attention(q, wk, wv, cache, 0.1, "causal")
     assert [n.split("_")[2] for n, _ in log[-2:]] == ["tc", "reduce"]
+
+
+def test_prompts_of_new_lengths_compile_no_new_kernel(fake_cuda):
+    """MLX builds one module per kernel name and template arguments (NVRTC,
+    ~0.5 s each).  The row count of a prefill chunk or a task's prompt is a
+    kernel parameter, so every task and every document's last chunk, each
+    of its own length, runs the kernels the first one built."""
+    made, log = fake_cuda
+    cache = filled_cache(3.5, 128, 2, 300)
+    built = []
+    for L in (28, 29, 37):  # 112, 116, 148 rows per kv head: 16-row tiles
+        k = mx.random.normal((1, 2, L, 128)).astype(mx.float16)
+        wk, wv = cache.update_and_fetch(k, k)
+        first = len(log)
+        turboquant_attention(mx.random.normal((1, 8, L, 128)).astype(mx.float16), wk, wv, cache, 0.1, "causal")
+        calls = log[first:]
+        assert [n.split("_")[2] for n, _ in calls] == ["tc", "reduce"]
+        assert [kw["inputs"][-1].tolist()[5] for _, kw in calls] == [4 * L, 4 * L]  # rows, as a parameter
+        built.append({(n, tuple(kw.get("template") or ())) for n, kw in calls})
+    assert built[0] == built[1] == built[2]
