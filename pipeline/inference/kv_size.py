@@ -54,7 +54,7 @@ class KVGeometry:
 
 def cache_nbytes_formula(geom: KVGeometry, spec: Any, tokens: int, *, exact_bytes: int = FP16_BYTES) -> int:
     """Bytes the job's cache holds for ``tokens`` tokens once settled (the
-    engine settles a TuroQuant cache before its first task, so records report this).
+    engine settles a TurboQuant cache before its first task, so records report this).
 
     TurboQuant: the first ``SINK_TOKENS`` (attention sinks) and the last
     ``window`` tokens exact at ``exact_bytes`` per element, the others packed
