@@ -1,6 +1,6 @@
 """Quality of compressed KV caches on real text (SmolLM2-135M-Instruct, CPU).
 
-    python -m benchmarks.quality [--json] [--quick] [--passages 3] [--prefill 2048]
+    python -m benchmarks.quality [--json] [--quick] [--workers N] [--passages 3] [--prefill 2048]
         [--tokens 256] [--chunk 256] [--window 128] [--bits 2.5,3,3.5,4]
 
 Text: the longest topics of the Python reference manual shipped with the
@@ -29,6 +29,10 @@ configurations; it leaves out the compounding of quantized attention during
 prefill (at 3.5 bits without the exact window that added about 1% of
 perplexity on one passage when measured both ways).
 
+Rows run in ``--workers`` spawned processes side by side (each repeats the
+float32 reference run), with OpenBLAS on one thread each: the table is then
+the same for any worker count and any number of cores.
+
 Configurations: float32; tqpipe at each width with the exact window off
 (``window=0``) and at ``--window``, with the scalar (Lloyd-Max) and
 trellis (``tcq``) quantizers; mlx-vlm's ``TurboQuantKVCache`` at the same
@@ -40,6 +44,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import platform
 import sys
 import time
@@ -250,35 +255,119 @@ def score(ref: mx.array, other: mx.array, targets: mx.array) -> tuple[list[float
     return [math.exp(x) for x in nll.tolist()], float(kl.mean().item()), float(top1.mean().item())
 
 
-def evaluate(model: Any, ids: mx.array, n_prefill: int, configs: Sequence[CacheConfig], *,
-             chunk: int = 256, log=lambda s: None) -> list[Result]:
-    """Every config on the passages ``ids`` [B, n_prefill + T]; ``configs[0]`` is float32."""
-    if configs[0].scheme != "fp16":
+@dataclass
+class Reference:
+    """The float32 run every configuration is scored against."""
+
+    history: History
+    targets: mx.array  # [B, T] scored tokens
+    logprobs: mx.array  # [B, T, V]
+    result: Result
+
+
+def _result(config: CacheConfig, base_ppl: list[float] | None, scores: tuple, caches: list,
+            ids_shape: tuple, seconds: float) -> Result:
+    ppl, kl, top1 = scores
+    base = base_ppl or ppl
+    return Result(config.label, config.scheme, config.bits, config.window,
+                  config.quantizer if config.scheme == "turboquant" else "",
+                  ppl, sum(p / b - 1 for p, b in zip(ppl, base)) / len(ppl), kl, top1,
+                  kv_bytes(caches) / (ids_shape[0] * (ids_shape[1] - 1)), seconds)
+
+
+def reference_run(model: Any, ids: mx.array, n_prefill: int, config: CacheConfig, chunk: int = 256) -> Reference:
+    """The float32 prefill of ``ids[:, :n_prefill]`` and its teacher-forced log-probs."""
+    if config.scheme != "fp16":
         raise ValueError("benchmarks.quality.evaluate: the first config must be the float32 reference")
     history = float_prefill(model, ids[:, :n_prefill], chunk)
     targets = ids[:, n_prefill:]
-    results, ref = [], None
-    for config in configs:
-        t0 = time.perf_counter()
-        if ref is None:
-            caches = history.cache
-        else:
-            caches = config.build(model)
-            fill(caches, history, chunk)
-        lp = teacher_forced(model, caches, history.first, targets)
-        if ref is None:
-            ref = lp
-        ppl, kl, top1 = score(ref, lp, targets)
-        base = results[0].ppl if results else ppl
-        r = Result(config.label, config.scheme, config.bits, config.window,
-                   config.quantizer if config.scheme == "turboquant" else "",
-                   ppl, sum(p / b - 1 for p, b in zip(ppl, base)) / len(ppl), kl, top1,
-                   kv_bytes(caches) / (ids.shape[0] * (ids.shape[1] - 1)), time.perf_counter() - t0)
-        results.append(r)
-        del caches, lp
-        mx.clear_cache()
-        log(f"{r.label:34s} ppl {' / '.join(f'{p:.3f}' for p in r.ppl)} ({100 * r.ppl_change:+.2f}%)  "
+    t0 = time.perf_counter()
+    lp = teacher_forced(model, history.cache, history.first, targets)
+    result = _result(config, None, score(lp, lp, targets), history.cache, ids.shape, time.perf_counter() - t0)
+    return Reference(history, targets, lp, result)
+
+
+def run_config(model: Any, ref: Reference, config: CacheConfig, chunk: int = 256) -> Result:
+    """One configuration: its caches filled with the float32 history, then scored."""
+    t0 = time.perf_counter()
+    caches = config.build(model)
+    fill(caches, ref.history, chunk)
+    lp = teacher_forced(model, caches, ref.history.first, ref.targets)
+    ids_shape = (ref.targets.shape[0], ref.history.keys[0].shape[2] + ref.targets.shape[1])
+    r = _result(config, ref.result.ppl, score(ref.logprobs, lp, ref.targets), caches, ids_shape,
+                time.perf_counter() - t0)
+    del caches, lp
+    mx.clear_cache()
+    return r
+
+
+def log_line(r: Result) -> str:
+    return (f"{r.label:34s} ppl {' / '.join(f'{p:.3f}' for p in r.ppl)} ({100 * r.ppl_change:+.2f}%)  "
             f"KL {r.kl:.4f}  top-1 {100 * r.top1:.1f}%  {r.bytes_per_token:,.0f} B/token  ({r.seconds:.0f} s)")
+
+
+def evaluate(model: Any, ids: mx.array, n_prefill: int, configs: Sequence[CacheConfig], *,
+             chunk: int = 256, log=lambda s: None) -> list[Result]:
+    """Every config on the passages ``ids`` [B, n_prefill + T] in this process; ``configs[0]`` is float32."""
+    ref = reference_run(model, ids, n_prefill, configs[0], chunk)
+    results = [ref.result]
+    log(log_line(ref.result))
+    for config in configs[1:]:
+        results.append(run_config(model, ref, config, chunk))
+        log(log_line(results[-1]))
+    return results
+
+
+# --------------------------------------------------------------- in workers
+# Rows are independent, so worker processes score them side by side.  Each
+# worker runs OpenBLAS on one thread: the float sums then come out in the
+# same order whatever the worker count or the machine's cores, so the table
+# does not depend on them (it moves by ~0.5 perplexity points between 1 and
+# 2 BLAS threads: docs/benchmarks.md).
+WORKER_ENV = {"OPENBLAS_NUM_THREADS": "1"}
+_WORKER: dict = {}
+
+
+def _worker_init(model_ref: str | None, ids: list[list[int]], n_prefill: int, reference: CacheConfig,
+                 chunk: int) -> None:
+    from pipeline.models.load import load_model
+
+    model = load_model(model_ref).model
+    arr = mx.array(ids, dtype=mx.int32)
+    _WORKER.update(model=model, chunk=chunk, ref=reference_run(model, arr, n_prefill, reference, chunk))
+
+
+def _worker_row(config: CacheConfig | None) -> Result:
+    if config is None:
+        return _WORKER["ref"].result
+    return run_config(_WORKER["model"], _WORKER["ref"], config, _WORKER["chunk"])
+
+
+def evaluate_in_workers(model_ref: str | None, ids: list[list[int]], n_prefill: int,
+                        configs: Sequence[CacheConfig], *, workers: int, chunk: int = 256,
+                        log=lambda s: None) -> list[Result]:
+    """:func:`evaluate` in ``workers`` spawned processes (each loads ``model_ref``:
+    a path, or None for the built-in model); results in ``configs`` order."""
+    import multiprocessing
+
+    if configs[0].scheme != "fp16":
+        raise ValueError("benchmarks.quality.evaluate: the first config must be the float32 reference")
+    saved = {k: os.environ.get(k) for k in WORKER_ENV}
+    os.environ.update(WORKER_ENV)  # a spawned process takes the environment it is started with
+    try:
+        pool = multiprocessing.get_context("spawn").Pool(
+            max(1, workers), _worker_init, (model_ref, ids, n_prefill, configs[0], chunk))
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    results = []
+    with pool:
+        for r in pool.imap(_worker_row, [None, *configs[1:]]):
+            results.append(r)
+            log(log_line(r))
     return results
 
 
@@ -304,6 +393,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--bits", default="2.5,3,3.5,4")
     p.add_argument("--schemes", default=",".join(SCHEMES[1:]), help="which caches besides float32")
     p.add_argument("--quantizers", default=",".join(QUANTIZERS))
+    p.add_argument("--workers", type=int, default=min(4, os.cpu_count() or 1),
+                   help="processes scoring rows side by side (default: CPU cores, at most 4)")
     p.add_argument("--quick", action="store_true",
                    help="CI smoke: 1 passage, 512 + 32 tokens, 3.5 bits, scalar, affine 4 and 2")
     p.add_argument("--json", action="store_true", help="also print one JSON line")
@@ -317,13 +408,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     from pipeline.models.load import load_model
 
     t0 = time.perf_counter()
-    loaded = load_model(None)
-    ids = mx.array(passages(loaded.tokenizer, a.passages, a.prefill + a.tokens), dtype=mx.int32)
+    loaded = load_model(None)  # also prepares the built-in model once, before the workers load it
+    ids = passages(loaded.tokenizer, a.passages, a.prefill + a.tokens)
+    name = loaded.name
+    del loaded
     configs = default_configs(a.window, [float(b) for b in a.bits.split(",")], schemes, quantizers)
-    print(f"model: {loaded.name} (float32 on CPU); {a.passages} passages of pydoc_data.topics "
+    print(f"model: {name} (float32 on CPU); {a.passages} passages of pydoc_data.topics "
           f"{list(TOPICS[:a.passages])}: {a.prefill} history + {a.tokens} scored tokens each; "
-          f"prefill chunk {a.chunk}", flush=True)
-    results = evaluate(loaded.model, ids, a.prefill, configs, chunk=a.chunk, log=lambda s: print(s, flush=True))
+          f"prefill chunk {a.chunk}; {a.workers} worker process(es), OpenBLAS on 1 thread each", flush=True)
+    results = evaluate_in_workers(None, ids, a.prefill, configs, workers=a.workers, chunk=a.chunk,
+                                  log=lambda s: print(s, flush=True))
     print()
     print(format_table(results))
     print(f"\ntotal {time.perf_counter() - t0:.0f} s on {platform.machine()} CPU")

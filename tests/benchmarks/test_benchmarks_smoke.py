@@ -273,6 +273,37 @@ def test_quality_scores_float32_against_itself_and_quantized(tiny_lm):
         quality.evaluate(tiny_lm, ids, 300, configs[2:])
 
 
+@pytest.mark.slow
+def test_quality_rows_in_workers_do_not_depend_on_the_worker_count(tmp_path):
+    """Spawned workers (one OpenBLAS thread each) load the model from its
+    path and give the same rows, in config order, whether 1 or 2 score them."""
+    import sys
+    from dataclasses import asdict
+    from pathlib import Path
+
+    from pipeline.models.load import load_model
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+    from build_model import build
+
+    model_dir = str(build(tmp_path / "m", "tiny", dtype="float32", tokenizer_vocab=600))
+    ids = quality.passages(load_model(model_dir).tokenizer, 2, 200 + 8)
+    configs = [quality.CacheConfig("float32", "fp16"),
+               quality.CacheConfig("ours 2.5, window 0", "turboquant", 2.5, 0),
+               quality.CacheConfig("affine 4", "affine", 4)]
+    runs = [quality.evaluate_in_workers(model_dir, ids, 200, configs, workers=n, chunk=64) for n in (1, 2)]
+    for results in runs:
+        assert [r.label for r in results] == [c.label for c in configs]
+        assert (results[0].kl, results[0].top1) == (0.0, 1.0) and results[1].kl > 1e-6
+
+    def rows(results):
+        return [{k: v for k, v in asdict(r).items() if k != "seconds"} for r in results]
+
+    assert rows(runs[0]) == rows(runs[1])
+    with pytest.raises(ValueError, match="first config must be the float32 reference"):
+        quality.evaluate_in_workers(model_dir, ids, 200, configs[1:], workers=1)
+
+
 def test_quality_default_configs_cover_widths_windows_quantizers():
     full = quality.default_configs(128)
     assert full[0].scheme == "fp16"
