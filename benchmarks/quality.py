@@ -275,10 +275,14 @@ def _result(config: CacheConfig, base_ppl: list[float] | None, scores: tuple, ca
                   kv_bytes(caches) / (ids_shape[0] * (ids_shape[1] - 1)), seconds)
 
 
-def reference_run(model: Any, ids: mx.array, n_prefill: int, config: CacheConfig, chunk: int = 256) -> Reference:
-    """The float32 prefill of ``ids[:, :n_prefill]`` and its teacher-forced log-probs."""
+def check_reference(config: CacheConfig) -> None:
     if config.scheme != "fp16":
         raise ValueError("benchmarks.quality.evaluate: the first config must be the float32 reference")
+
+
+def reference_run(model: Any, ids: mx.array, n_prefill: int, config: CacheConfig, chunk: int = 256) -> Reference:
+    """The float32 prefill of ``ids[:, :n_prefill]`` and its teacher-forced log-probs."""
+    check_reference(config)
     history = float_prefill(model, ids[:, :n_prefill], chunk)
     targets = ids[:, n_prefill:]
     t0 = time.perf_counter()
@@ -347,27 +351,29 @@ def evaluate_in_workers(model_ref: str | None, ids: list[list[int]], n_prefill: 
                         configs: Sequence[CacheConfig], *, workers: int, chunk: int = 256,
                         log=lambda s: None) -> list[Result]:
     """:func:`evaluate` in ``workers`` spawned processes (each loads ``model_ref``:
-    a path, or None for the built-in model); results in ``configs`` order."""
+    a path, or None for the built-in model); results in ``configs`` order.  A
+    worker that cannot start (a model that does not load) fails the run with
+    ``BrokenProcessPool`` instead of being started again and again."""
     import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
 
-    if configs[0].scheme != "fp16":
-        raise ValueError("benchmarks.quality.evaluate: the first config must be the float32 reference")
+    check_reference(configs[0])
     saved = {k: os.environ.get(k) for k in WORKER_ENV}
-    os.environ.update(WORKER_ENV)  # a spawned process takes the environment it is started with
+    os.environ.update(WORKER_ENV)  # workers start (on demand) with the environment of that moment
     try:
-        pool = multiprocessing.get_context("spawn").Pool(
-            max(1, workers), _worker_init, (model_ref, ids, n_prefill, configs[0], chunk))
+        with ProcessPoolExecutor(max(1, workers), mp_context=multiprocessing.get_context("spawn"),
+                                 initializer=_worker_init,
+                                 initargs=(model_ref, ids, n_prefill, configs[0], chunk)) as pool:
+            results = []
+            for r in pool.map(_worker_row, [None, *configs[1:]]):
+                results.append(r)
+                log(log_line(r))
     finally:
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-    results = []
-    with pool:
-        for r in pool.imap(_worker_row, [None, *configs[1:]]):
-            results.append(r)
-            log(log_line(r))
     return results
 
 

@@ -302,6 +302,10 @@ def test_quality_rows_in_workers_do_not_depend_on_the_worker_count(tmp_path):
     assert rows(runs[0]) == rows(runs[1])
     with pytest.raises(ValueError, match="first config must be the float32 reference"):
         quality.evaluate_in_workers(model_dir, ids, 200, configs[1:], workers=1)
+    from concurrent.futures.process import BrokenProcessPool
+
+    with pytest.raises(BrokenProcessPool):  # a model that does not load: an error, not a pool restarting it
+        quality.evaluate_in_workers(str(tmp_path / "no-model"), ids, 200, configs, workers=1)
 
 
 def test_quality_default_configs_cover_widths_windows_quantizers():
