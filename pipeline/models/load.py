@@ -182,19 +182,8 @@ def is_vlm_config(config: dict) -> bool:
 
 
 def prepare_for_device(model: Any) -> Any:
-    """Float32 and dequantized on CPU (BLAS path).  On a CUDA GPU every weight
-    is read once: MLX's loader writes them through host pointers, which puts
-    them in CUDA managed memory, and the first kernels to read them migrate
-    them to the GPU page by page (seconds for an 8B model).  Done here, that
-    is part of loading the model, not of whatever runs first (a document's
-    prefill, or a task on a cache loaded from the document store)."""
+    """Float32 and dequantized on CPU (BLAS path); untouched on GPU."""
     if mx.default_device() != mx.cpu:
-        from turboquant.attention.device import backend
-
-        if backend() == "cuda":
-            from mlx.utils import tree_flatten
-
-            mx.eval([p.sum() for _, p in tree_flatten(model.parameters())])
         return model
     if os.environ.get("TQPIPE_CPU_KEEP_QUANTIZED", "") not in ("1", "true"):
         from mlx_lm.utils import dequantize_model
