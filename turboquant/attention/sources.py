@@ -16,7 +16,7 @@ from typing import NamedTuple
 
 import mlx.core as mx
 
-from . import device
+from . import cubins, device
 
 SOURCE_DIR = Path(__file__).resolve().parent.parent.parent / "metal"
 BACKENDS = ("metal", "cuda")
@@ -128,33 +128,45 @@ def launch_bounds(threads: int, min_blocks: int) -> str:
 
 
 @lru_cache(maxsize=None)
-def _kernel(name: str, be: str, prelude: str = "", dtypes: str = "", consts: tuple = ()):
+def _kernel(name: str, be: str, prelude: str = "", dtypes: tuple = (), consts: tuple = ()):
+    """The kernel object for argument ``dtypes`` (inputs, then outputs): on
+    CUDA a cubin kept per machine (``cubins``) where NVRTC and the headers
+    are found, else MLX's JIT, which compiles in every process."""
     header, body = mlx_source(name, be, prelude, consts)
     src = KERNELS[name]
-    make = mx.fast.metal_kernel if be == "metal" else mx.fast.cuda_kernel
-    return make(
-        name=mlx_kernel_name(name, header, body, dtypes), input_names=list(src.inputs),
-        output_names=list(src.outputs), source=body, header=header,
-    )
+
+    def jit():
+        make = mx.fast.metal_kernel if be == "metal" else mx.fast.cuda_kernel
+        return make(
+            name=mlx_kernel_name(name, header, body, _dtype_tag(dtypes)), input_names=list(src.inputs),
+            output_names=list(src.outputs), source=body, header=header,
+        )
+
+    tools = cubins.toolchain() if be == "cuda" else None
+    if tools is None:
+        return jit()
+    n = len(src.inputs)
+    return cubins.CubinKernel(name, header, body, list(zip(src.inputs, dtypes[:n])),
+                              list(zip(src.outputs, dtypes[n:])), tools, jit)
 
 
 @lru_cache(maxsize=1024)
 def _dtype_tag(dtypes: tuple) -> str:
-    sig = "/".join(str(dt).rsplit(".", 1)[-1] for dt in dtypes)
-    return "_" + hashlib.sha1(sig.encode()).hexdigest()[:8]
+    return "_" + hashlib.sha1("/".join(dtypes).encode()).hexdigest()[:8]
 
 
-def dtype_tag(inputs, output_dtypes) -> str:
-    """A short name suffix for the dtypes of a launch's inputs and outputs."""
-    return _dtype_tag(tuple([a.dtype for a in inputs] + list(output_dtypes)))
+@lru_cache(maxsize=1024)
+def _dtype_names(dtypes: tuple) -> tuple:
+    return tuple(cubins.dtype_name(dt) for dt in dtypes)
 
 
 def kernel_for(name: str, prelude: str, inputs, output_dtypes, consts: tuple = ()):
-    """The MLX kernel object for these inputs' dtypes on this process's backend."""
+    """The kernel object for these inputs' dtypes on this process's backend."""
     be = device.backend()
     if be is None:
         raise RuntimeError(f"{name}: no GPU backend (Metal or CUDA) in this MLX build")
-    return _kernel(name, be, prelude, dtype_tag(inputs, output_dtypes), consts)
+    dtypes = _dtype_names(tuple([a.dtype for a in inputs] + list(output_dtypes)))
+    return _kernel(name, be, prelude, dtypes, consts)
 
 
 def launch(name: str, prelude: str = "", **kw):
