@@ -38,7 +38,8 @@ from pipeline.errors import ModelLoadError
 from pipeline.models.builtin_vlm import ensure_tiny_vlm
 from pipeline.models.builtin_vlm import stamp as tiny_vlm_stamp
 from pipeline.models.smollm2 import ensure_smollm2
-from pipeline.models.store import models_home, read_marker
+from pipeline.models.store import models_home, read_marker, tqpipe_home
+from turboquant.attention import cubins
 
 __all__ = [
     "BUILTIN_TEXT",
@@ -182,8 +183,11 @@ def is_vlm_config(config: dict) -> bool:
 
 
 def prepare_for_device(model: Any) -> Any:
-    """Float32 and dequantized on CPU (BLAS path); untouched on GPU."""
+    """Float32 and dequantized on CPU (BLAS path); untouched on GPU, where
+    TurboQuant's compiled CUDA kernels are kept with tqpipe's other caches
+    (``$TQPIPE_HOME/kernels``), so a later process does not compile them."""
     if mx.default_device() != mx.cpu:
+        cubins.use_store(tqpipe_home() / "kernels")
         return model
     if os.environ.get("TQPIPE_CPU_KEEP_QUANTIZED", "") not in ("1", "true"):
         from mlx_lm.utils import dequantize_model
