@@ -1,20 +1,18 @@
 """Compile the CUDA flavour of the TurboQuant kernels with NVRTC (or nvcc), no GPU needed.
 
-Assembles each kernel exactly as ``mx.fast.cuda_kernel`` does (MLX's default
-header, our header, the generated ``__global__`` signature, template
-constants, our body) and compiles it for sm_90, printing the ptxas resource
-report (registers, spills).  A CUDA syntax error then shows here, not on a
-lent GPU; ``--sass`` prints a case's machine code (to compare two versions
-of the sources: identical SASS, identical outputs).
+Builds each kernel's translation unit exactly as the CUDA backend does
+(``turboquant/attention/cubins.py``: our header, the ``__global__``
+signature, template constants, our body) and compiles it for sm_90,
+printing the ptxas resource report (registers, spills).  A CUDA syntax
+error then shows here, not on a lent GPU; ``--sass`` prints a case's
+machine code (to compare two versions of the sources: identical SASS,
+identical outputs).
 
 NVRTC needs (environment, all from PyPI wheels):
-  NVRTC_LIB          libnvrtc.so.13 (nvidia-cuda-nvrtc; its lib/ on LD_LIBRARY_PATH)
-  CUDA_INCLUDE       the CUDA headers (a toolkit's include/)
-  MLX_CUDA_INCLUDE   a folder holding mlx/backend/cuda/device/*.cuh (the JIT
-                     headers libmlx.so of the mlx-cuda wheel embeds:
-                     ``--extract-mlx-headers LIBMLX OUT`` writes them) and cccl/
-Without NVRTC_LIB a local nvcc compiles instead (MLX's preamble replaced by
-the CUDA half/bfloat16 headers it pulls in).
+  NVRTC_LIB      libnvrtc.so.13 (nvidia-cuda-nvrtc; its lib/ on LD_LIBRARY_PATH)
+  CUDA_INCLUDE   a folder with cuda_fp16.h (nvidia-cuda-runtime's nvidia/cu13/include,
+                 or a toolkit's include/); found as the backend finds it if unset
+Without NVRTC_LIB a local nvcc compiles instead.
 
   python scripts/cuda_compile_check.py [KERNEL ...]
   python scripts/cuda_compile_check.py --sass tq_decode_tc8_fused[:INDEX] > fused.sass
@@ -22,7 +20,6 @@ the CUDA half/bfloat16 headers it pulls in).
 
 from __future__ import annotations
 
-import ctypes
 import os
 import shutil
 import subprocess
@@ -32,53 +29,24 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from turboquant.attention.cubins import Nvrtc, cuda_include_dirs, named_unit  # noqa: E402
 from turboquant.attention.sources import KERNELS, launch_bounds, mlx_source  # noqa: E402
 
-_CUDA_TYPES = {"float32": "float", "float16": "__half", "bfloat16": "__nv_bfloat16",
-               "uint32": "uint32_t", "int32": "int32_t"}
 
-_MLX_DEFAULT_HEADER = """
-#include "mlx/backend/cuda/device/utils.cuh"
-
-#include <cooperative_groups.h>
-
-#define inf cuda::std::numeric_limits<float>::infinity()
-
-"""
-
-_NVCC_PREAMBLE = """
-#include <cuda_fp16.h>
-#include <cuda_bf16.h>
-#include <cstdint>
-#include <cooperative_groups.h>
-"""
-
-
-def mlx_cuda_source(name: str, in_types: list[str], out_types: list[str],
-                    template: list[tuple[str, object]], prelude: str = "", consts: tuple = ()) -> str:
-    """The translation unit ``mx.fast.cuda_kernel`` builds (MLX 0.32 build_kernel);
-    ``prelude`` is what the launcher appends to the header (launch bounds),
-    ``consts`` the constants compiled into the body instead of template
-    arguments (the fused decode step)."""
+def cuda_source(name: str, in_types: list[str], out_types: list[str],
+                template: list[tuple[str, object]], prelude: str = "", consts: tuple = ()) -> str:
+    """The translation unit the CUDA backend compiles; ``prelude`` is what
+    the launcher appends to the header (launch bounds), ``consts`` the
+    constants compiled into the body instead of template arguments (the
+    fused decode step)."""
     header, body = mlx_source(name, "cuda", prelude, consts)
     src = KERNELS[name]
-    text = _MLX_DEFAULT_HEADER + header
-    text += "namespace mlx::core::cu {\n\nnamespace cg = cooperative_groups;\n\n"
-    text += f"__global__ void custom_kernel_{name}(\n"
-    args = [f"    const {_CUDA_TYPES[t]}* {n}" for n, t in zip(src.inputs, in_types)]
-    args += [f"    {_CUDA_TYPES[t]}* {n}" for n, t in zip(src.outputs, out_types)]
-    text += ",\n".join(args) + ") {\n"
-    for k, v in template:
-        if isinstance(v, str):
-            text += f"  using {k} = {_CUDA_TYPES[v]};\n"
-        else:
-            text += f"  constexpr int {k} = {v};\n"
-    return text + "\n" + body + "\n}\n\n} // namespace mlx::core::cu\n"
+    return named_unit(name, header, body, list(zip(src.inputs, in_types)),
+                      list(zip(src.outputs, out_types)), template)[1]
 
 
 def compile_nvcc(src: str, name: str, arch: str = "sm_90", cubin: str = "") -> tuple[bool, str]:
     """Compile with a local ``nvcc``; writes the cubin to ``cubin`` if given."""
-    src = src.replace(_MLX_DEFAULT_HEADER, _NVCC_PREAMBLE)
     with tempfile.TemporaryDirectory() as d:
         path = Path(d) / f"{name}.cu"
         path.write_text(src)
@@ -95,28 +63,12 @@ def compile_cuda(src: str, name: str, arch: str = "sm_90", cubin: str = "") -> t
     if given.  Without ``NVRTC_LIB``, uses nvcc."""
     if not os.environ.get("NVRTC_LIB"):
         return compile_nvcc(src, name, arch, cubin)
-    lib = ctypes.CDLL(os.environ["NVRTC_LIB"])
-    prog = ctypes.c_void_p()
-    rc = lib.nvrtcCreateProgram(ctypes.byref(prog), src.encode(), f"{name}.cu".encode(), 0, None, None)
-    assert rc == 0, rc
-    mlx_inc = os.environ["MLX_CUDA_INCLUDE"]
-    inc = [mlx_inc, os.path.join(mlx_inc, "cccl"), os.environ["CUDA_INCLUDE"]]
-    opts = [f"--gpu-architecture={arch}", "--std=c++17", "--ptxas-options=-v"]
-    opts += [f"--include-path={p}" for p in inc]
-    arr = (ctypes.c_char_p * len(opts))(*[o.encode() for o in opts])
-    rc = lib.nvrtcCompileProgram(prog, len(opts), arr)
-    size = ctypes.c_size_t()
-    lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
-    log = ctypes.create_string_buffer(size.value + 1)
-    lib.nvrtcGetProgramLog(prog, log)
-    if rc == 0 and cubin:
-        n = ctypes.c_size_t()
-        lib.nvrtcGetCUBINSize(prog, ctypes.byref(n))
-        buf = ctypes.create_string_buffer(n.value)
-        lib.nvrtcGetCUBIN(prog, buf)
-        Path(cubin).write_bytes(buf.raw)
-    lib.nvrtcDestroyProgram(ctypes.byref(prog))
-    return rc == 0, log.value.decode(errors="replace")
+    nvrtc = Nvrtc.load(os.environ["NVRTC_LIB"])
+    includes = [os.environ["CUDA_INCLUDE"]] if os.environ.get("CUDA_INCLUDE") else cuda_include_dirs()
+    binary, log = nvrtc.compile(src, name, arch, includes, extra=["--ptxas-options=-v"])
+    if binary is not None and cubin:
+        Path(cubin).write_bytes(binary)
+    return binary is not None, log
 
 
 # decode kernel inputs: q, kp, kn, vp, vn, key/value codebooks (SIMT) or pair tables (tensor cores), meta
@@ -191,8 +143,8 @@ def case_source(name: str, ins: list[str], outs: list[str], tmpl: dict) -> str:
     minb = tmpl.pop("MINB", 0)
     prelude = launch_bounds(tmpl.get("NW", 0) * 32, minb)
     if name in _CONSTS_IN_BODY:
-        return mlx_cuda_source(name, ins, outs, [], prelude, tuple(tmpl.items()))
-    return mlx_cuda_source(name, ins, outs, list(tmpl.items()), prelude)
+        return cuda_source(name, ins, outs, [], prelude, tuple(tmpl.items()))
+    return cuda_source(name, ins, outs, list(tmpl.items()), prelude)
 
 
 def dump_sass(spec: str, arch: str = "sm_90") -> int:
@@ -210,32 +162,9 @@ def dump_sass(spec: str, arch: str = "sm_90") -> int:
         return subprocess.run([shutil.which("cuobjdump") or "cuobjdump", "-sass", cubin]).returncode
 
 
-def extract_mlx_headers(libmlx: str, out: str) -> int:
-    """Write the CUDA JIT headers embedded in ``libmlx.so`` (null-terminated
-    source strings) that ``utils.cuh`` needs into ``OUT/mlx/backend/cuda/device``."""
-    data = Path(libmlx).read_bytes()
-    wanted = {  # file -> a line only that file holds
-        "utils.cuh": b"utilities that work under both",
-        "config.h": b"used by both CUDA kernel code and host-only",
-        "complex.cuh": b"LIBCUDACXX_ENABLE_SIMPLIFIED_COMPLEX_OPERATIONS",
-    }
-    dest = Path(out) / "mlx" / "backend" / "cuda" / "device"
-    dest.mkdir(parents=True, exist_ok=True)
-    for fname, marker in wanted.items():
-        i = data.find(marker)
-        if i < 0:
-            print(f"{fname}: not found in {libmlx}", file=sys.stderr)
-            return 1
-        start, end = data.rfind(b"\0", 0, i) + 1, data.find(b"\0", i)
-        (dest / fname).write_bytes(data[start:end])
-    return 0
-
-
 def main() -> int:
     if len(sys.argv) > 2 and sys.argv[1] == "--sass":
         return dump_sass(sys.argv[2])
-    if len(sys.argv) > 3 and sys.argv[1] == "--extract-mlx-headers":
-        return extract_mlx_headers(sys.argv[2], sys.argv[3])
     only = set(sys.argv[1:])  # kernel names to compile (all if none)
     failed = 0
     for name, ins, outs, tmpl in CASES:
