@@ -36,8 +36,10 @@ from __future__ import annotations
 import json
 import os
 import struct
+import threading
 import uuid
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -251,30 +253,36 @@ def _parse_header(f: Any) -> tuple[dict, int, dict, int]:
 
 
 _CRC_BLOCK = 16 << 20
+CRC_THREADS = min(8, os.cpu_count() or 1)
+_buffers = threading.local()
 
 
-def _verify_bytes(f: Any, entries: dict, start: int, crcs: dict) -> None:
-    """Check every tensor's CRC-32 on the file's bytes, read in blocks into
-    one reusable host buffer (no MLX array is read back by the host)."""
+def _tensor_spans(entries: dict, start: int, crcs: dict) -> list[tuple[str, int, int, int]]:
+    """(name, file offset, length, stored CRC-32) of every tensor."""
     if set(entries) != set(crcs):
         raise CacheFileError("tensor list does not match the checksum list")
-    buf = bytearray(_CRC_BLOCK)
-    view = memoryview(buf)
     try:
-        for name, t in sorted(entries.items(), key=lambda kv: kv[1]["data_offsets"][0]):
-            lo, hi = (int(x) for x in t["data_offsets"])
-            f.seek(start + lo)
-            crc, left = 0, hi - lo
-            while left:
-                n = f.readinto(view[: min(left, _CRC_BLOCK)])
-                if not n:
-                    raise CacheFileError(f"tensor {name!r} is cut short")
-                crc = zlib.crc32(view[:n], crc)
-                left -= n
-            if crc != crcs[name]:
-                raise CacheFileError(f"checksum mismatch in tensor {name!r}")
-    except (KeyError, TypeError, ValueError) as e:
+        return [(name, start + int(t["data_offsets"][0]), int(t["data_offsets"][1]) - int(t["data_offsets"][0]),
+                 int(crcs[name])) for name, t in entries.items()]
+    except (KeyError, TypeError, ValueError, IndexError) as e:
         raise CacheFileError(f"tensor entries malformed: {type(e).__name__}: {e}") from e
+
+
+def _check_tensor(fd: int, name: str, offset: int, left: int, crc_stored: int) -> None:
+    """CRC-32 of one tensor's bytes on the file, read in blocks into this
+    thread's buffer (``pread`` and ``zlib.crc32`` release the GIL)."""
+    buf = getattr(_buffers, "view", None)
+    if buf is None:
+        buf = _buffers.view = memoryview(bytearray(_CRC_BLOCK))
+    crc = 0
+    while left:
+        n = os.preadv(fd, [buf[: min(left, _CRC_BLOCK)]], offset)
+        if not n:
+            raise CacheFileError(f"tensor {name!r} is cut short")
+        crc = zlib.crc32(buf[:n], crc)
+        offset, left = offset + n, left - n
+    if crc != crc_stored:
+        raise CacheFileError(f"checksum mismatch in tensor {name!r}")
 
 
 class _Replaced(Exception):
@@ -301,8 +309,9 @@ def read(path: Path, *, key: dict | None = None) -> CacheFile:
 
 
 def _read_once(path: Path, key: dict | None) -> CacheFile:
-    """One :func:`read`: header and checksums through one open handle, then
-    ``mx.load`` straight into MLX buffers (device memory on CUDA).
+    """One :func:`read`: the header through one open handle, then ``mx.load``
+    straight into MLX buffers (device memory on CUDA) while threads checksum
+    the same tensors on the file.
 
     Checksumming the loaded arrays instead would make the host read device
     memory, which moves the whole cache out of the GPU's memory.  Files are
@@ -321,9 +330,17 @@ def _read_once(path: Path, key: dict | None) -> CacheFile:
             unknown = [c for c in ids if c not in table]
             if unknown:
                 raise CacheFileError(f"unknown cache classes {unknown}")
-            _verify_bytes(f, entries, start, crcs)
-            arrays = mx.load(str(path))
-            mx.eval(list(arrays.values()))
+            # checksums on the file's bytes in threads, while MLX loads the
+            # same bytes (from the page cache); nothing is returned unchecked
+            spans = _tensor_spans(entries, start, crcs)
+            with ThreadPoolExecutor(CRC_THREADS) as pool:
+                checks = [pool.submit(_check_tensor, f.fileno(), *span) for span in spans]
+                try:
+                    arrays = mx.load(str(path))
+                    mx.eval(list(arrays.values()))
+                finally:
+                    for check in checks:  # a damaged file's own error before MLX's
+                        check.result()
             if os.stat(path).st_ino != os.fstat(f.fileno()).st_ino:
                 raise _Replaced()
     except OSError as e:

@@ -115,6 +115,20 @@ def test_flipped_byte_fails_the_checksum(tmp_path, model):
         kv_file.read(path, key=KEY)
 
 
+@pytest.mark.parametrize("where", [0.3, 0.6, 0.9])
+def test_a_flipped_byte_anywhere_fails_its_tensor_checksum_in_small_blocks(tmp_path, model, monkeypatch, where):
+    """Tensors are checked in blocks, in threads, while MLX loads the file:
+    a byte flipped in any tensor, inside any block, is found."""
+    monkeypatch.setattr(kv_file, "_CRC_BLOCK", 64)
+    path = _written(tmp_path, model)
+    data = bytearray(path.read_bytes())
+    start = 8 + int.from_bytes(data[:8], "little")  # safetensors: header length, header, tensor bytes
+    data[start + int((len(data) - start) * where)] ^= 0x01
+    path.write_bytes(bytes(data))
+    with pytest.raises(CacheFileError, match="checksum mismatch in tensor"):
+        kv_file.read(path, key=KEY)
+
+
 def test_another_key_or_version_or_format_is_refused(tmp_path, model):
     path = _written(tmp_path, model)
     with pytest.raises(CacheFileError, match="differs in: doc"):
