@@ -2,8 +2,10 @@
 
 A kernel is a header (pasted by MLX before the signature it generates) and a
 body.  Shared kernels (``metal/*.inc``) assemble for Metal and CUDA alike;
-the tensor-core kernels (``metal/cuda/``) for CUDA only.  None has been
-compiled for Metal yet: the Metal flavour is assembled and tested as text.
+the tensor-core kernels (``metal/cuda/``) for CUDA only.  On CUDA a
+kernel is an NVRTC cubin kept per machine (``cubins``); on Metal, and where
+that toolchain is missing, MLX's JIT builds it.  None has been compiled for
+Metal yet: the Metal flavour is assembled and tested as text.
 """
 
 from __future__ import annotations
