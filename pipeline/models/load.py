@@ -183,11 +183,13 @@ def is_vlm_config(config: dict) -> bool:
 
 
 def prepare_for_device(model: Any) -> Any:
-    """Float32 and dequantized on CPU (BLAS path); untouched on GPU, where
-    TurboQuant's compiled CUDA kernels are kept with tqpipe's other caches
-    (``$TQPIPE_HOME/kernels``), so a later process does not compile them."""
+    """Float32 and dequantized on CPU (BLAS path).  On GPU the weights are
+    untouched; TurboQuant's compiled CUDA kernels are kept with tqpipe's
+    other caches (``$TQPIPE_HOME/kernels``), so a later process does not
+    compile them; and the model runs once (:func:`warm_up`)."""
     if mx.default_device() != mx.cpu:
         cubins.use_store(tqpipe_home() / "kernels")
+        warm_up(model)
         return model
     if os.environ.get("TQPIPE_CPU_KEEP_QUANTIZED", "") not in ("1", "true"):
         from mlx_lm.utils import dequantize_model
@@ -196,6 +198,16 @@ def prepare_for_device(model: Any) -> Any:
     model.set_dtype(mx.float32)
     mx.eval(model.parameters())
     return model
+
+
+def warm_up(model: Any) -> None:
+    """One forward pass over two tokens, no cache.  A process's first forward
+    on the GPU pays one-time setup (cuBLAS handles, MLX's kernel modules read
+    from its disk cache): part of loading the model, not of the first
+    document's first token.  llama.cpp warms a model up the same way."""
+    language_model = getattr(model, "language_model", model)
+    out = language_model(mx.array([[1, 2]]))
+    mx.eval(getattr(out, "logits", out))
 
 
 def _eos_ids(config: dict) -> list[int]:

@@ -68,9 +68,31 @@ def test_gpu_models_keep_their_dtype_and_quantization(monkeypatch):
     model.set_dtype(mx.bfloat16)
     nn.quantize(model, group_size=32, bits=4, class_predicate=lambda path, m: path == "layers.0")
     monkeypatch.setattr(models.mx, "default_device", lambda: mx.Device(mx.gpu))
+    warmed = []
+    monkeypatch.setattr(models, "warm_up", warmed.append)
     models.prepare_for_device(model)
     assert isinstance(model.layers[0], nn.QuantizedLinear)
     assert model.layers[1].weight.dtype == mx.bfloat16
+    assert warmed == [model]  # the process's first forward is part of loading on a GPU
+
+
+def test_warm_up_runs_a_text_model_and_a_vlm_language_model(monkeypatch):
+    from tiny_models import tiny_llama
+
+    calls = []
+
+    class Wrapper(nn.Module):  # mlx-vlm: the text model is .language_model
+        def __init__(self):
+            super().__init__()
+            self.language_model = tiny_llama()
+
+    for model in (tiny_llama(), Wrapper()):
+        inner = getattr(model, "language_model", model)
+        real = type(inner).__call__
+        monkeypatch.setattr(type(inner), "__call__", lambda self, x, *a, **k: calls.append(x.shape) or real(self, x, *a, **k))
+        models.warm_up(model)
+        monkeypatch.undo()
+    assert calls == [(1, 2), (1, 2)]
 
 
 def test_local_directory_is_detected_as_vlm(tiny_vlm_dir):
