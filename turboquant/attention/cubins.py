@@ -27,6 +27,7 @@ import ctypes
 import hashlib
 import logging
 import os
+import re
 import sys
 import tempfile
 import time
@@ -63,7 +64,12 @@ def translation_unit(symbol: str, header: str, body: str, inputs: Sequence[tuple
                      outputs: Sequence[tuple[str, object]], template: Sequence[tuple[str, object]] = ()) -> str:
     """The CUDA source of one kernel variant: ``inputs``/``outputs`` are
     (name, dtype) pairs in argument order, ``template`` (name, int | bool |
-    dtype) pairs as MLX's template arguments become."""
+    dtype) pairs as MLX's template arguments become.  MLX's implicit
+    ``<input>_shape``/``_strides``/``_ndim`` arguments have no place here: a
+    body that names one is refused."""
+    for n, _ in inputs:
+        if re.search(rf"\b{n}_(shape|strides|ndim)\b", body):
+            raise ValueError(f"kernel body uses {n}_shape/_strides/_ndim, which precompiled kernels do not pass")
     args = [f"    const {CUDA_TYPES[dtype_name(t)]}* {n}" for n, t in inputs]
     args += [f"    {CUDA_TYPES[dtype_name(t)]}* {n}" for n, t in outputs]
     consts = []

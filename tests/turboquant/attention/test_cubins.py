@@ -71,6 +71,14 @@ def test_translation_unit_is_what_mlx_would_build_with_a_c_symbol():
     assert text.rstrip().endswith("out[0] = x[0];\n}")
 
 
+def test_a_body_using_mlx_shape_arguments_is_refused():
+    """MLX's JIT passes ``x_shape`` and the like when a body names them; a
+    precompiled kernel gets only the arrays, so such a body must not compile here."""
+    with pytest.raises(ValueError, match="x_shape"):
+        cubins.translation_unit("k", "", "int n = x_shape[0];", [("x", "float32")], [("o", "float32")])
+    cubins.translation_unit("k", "", "int n = xx_shape[0];", [("x", "float32")], [("o", "float32")])
+
+
 def test_symbols_differ_by_source_dtype_and_template():
     base = ("tq_x", "", "body;", [("x", "float16")], [("o", "float32")], [("D", 128)])
     symbols = {cubins.named_unit(*base)[0],
