@@ -255,7 +255,11 @@ class Toolchain:
 
 @lru_cache(maxsize=1)
 def toolchain() -> Optional[Toolchain]:
-    """The process's toolchain, or None (then MLX's JIT builds every kernel)."""
+    """The process's toolchain, or None (then MLX's JIT builds every kernel).
+
+    ``mx.fast.precompiled_cuda_kernel`` is marked experimental in MLX, so a
+    toolchain is used only after a probe kernel built with it returns the
+    right numbers in this process."""
     arch = gpu_arch()
     if arch is None:
         return None
@@ -265,7 +269,29 @@ def toolchain() -> Optional[Toolchain]:
         log.warning("TurboQuant kernels: %s not found; MLX compiles them in every process instead "
                     "(a few seconds at first use)", "NVRTC" if nvrtc is None else "the CUDA headers (cuda_fp16.h)")
         return None
-    return Toolchain(nvrtc, tuple(includes), arch)
+    tools = Toolchain(nvrtc, tuple(includes), arch)
+    return tools if probe(tools) else None
+
+
+def probe(tools: Toolchain) -> bool:
+    """Whether a kernel compiled and launched through ``tools`` computes
+    ``2 x + 1`` over 64 floats (a cubin from the store after the first time)."""
+    kernel = CubinKernel("tq_probe", "", "int i = blockIdx.x * blockDim.x + threadIdx.x;\nout[i] = 2.0f * x[i] + 1.0f;",
+                         [("x", mx.float32)], [("out", mx.float32)], tools, lambda: None)
+    x = mx.arange(64, dtype=mx.float32)
+    try:
+        if kernel.build() is None:
+            return False
+        (out,) = kernel(inputs=[x], output_shapes=[(64,)], output_dtypes=[mx.float32],
+                        grid=(64, 1, 1), threadgroup=(32, 1, 1))
+        if mx.array_equal(out, 2 * x + 1).item():
+            return True
+        reason = "wrong results"
+    except Exception as e:  # an MLX without the API, a driver refusing the cubin
+        reason = f"{type(e).__name__}: {e}"
+    log.warning("TurboQuant kernels: a precompiled CUDA kernel failed its check (%s); "
+                "MLX compiles them in every process instead", reason)
+    return False
 
 
 class CubinKernel:

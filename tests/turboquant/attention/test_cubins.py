@@ -192,3 +192,19 @@ def test_nvrtc_builds_a_cubin_that_exports_the_symbol(store, launches):
     launch_quantize(kernel)
     cubin, symbol = launches[-1]["compiled_source"], launches[-1]["name"]
     assert cubin[:4] == b"\x7fELF" and symbol.encode() + b"\0" in cubin  # unmangled: MLX finds it by name
+
+
+@pytest.mark.parametrize("outcome", ["right", "wrong", "raises", "no compile"])
+def test_the_toolchain_is_used_only_after_its_probe_kernel_computes_right(store, monkeypatch, caplog, outcome):
+    def launch(**kw):
+        if outcome == "raises":
+            raise RuntimeError("Failed to load compiled kernel")
+        (x,) = kw["inputs"]
+        assert kw["name"].startswith("tq_probe_") and kw["grid"] == (64, 1, 1)
+        return [2 * x + 1 if outcome == "right" else x]
+
+    monkeypatch.setattr(mx.fast, "precompiled_cuda_kernel", launch)
+    tools = cubins.Toolchain(FakeNvrtc(fail=outcome == "no compile"), ("/nowhere",), "sm_90")
+    assert cubins.probe(tools) is (outcome == "right")
+    warned = "did not compile" if outcome == "no compile" else "failed its check"
+    assert (warned in caplog.text) is (outcome != "right")
