@@ -152,7 +152,6 @@ def _kernel(name: str, be: str, prelude: str = "", dtypes: tuple = (), consts: t
                               list(zip(src.outputs, dtypes[n:])), tools, jit)
 
 
-@lru_cache(maxsize=1024)
 def _dtype_tag(dtypes: tuple) -> str:
     return "_" + hashlib.sha1("/".join(dtypes).encode()).hexdigest()[:8]
 
