@@ -26,6 +26,7 @@ float32 copy would not fit in memory.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 from dataclasses import dataclass, field
@@ -40,6 +41,8 @@ from pipeline.models.builtin_vlm import stamp as tiny_vlm_stamp
 from pipeline.models.smollm2 import ensure_smollm2
 from pipeline.models.store import models_home, read_marker, tqpipe_home
 from turboquant.attention import cubins
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "BUILTIN_TEXT",
@@ -204,10 +207,16 @@ def warm_up(model: Any) -> None:
     """One forward pass over two tokens, no cache.  A process's first forward
     on the GPU pays one-time setup (cuBLAS handles, MLX's kernel modules read
     from its disk cache): part of loading the model, not of the first
-    document's first token.  llama.cpp warms a model up the same way."""
+    document's first token.  llama.cpp warms a model up the same way.  A
+    model family whose text model wants more than token ids is not warmed
+    (a warning): the warm-up only moves time, it must never fail a load."""
     language_model = getattr(model, "language_model", model)
-    out = language_model(mx.array([[1, 2]]))
-    mx.eval(getattr(out, "logits", out))
+    try:
+        out = language_model(mx.array([[1, 2]]))
+        mx.eval(getattr(out, "logits", out))
+    except Exception as e:
+        log.warning("model warm-up skipped (%s: %s); the first task pays the GPU's one-time setup",
+                    type(e).__name__, e)
 
 
 def _eos_ids(config: dict) -> list[int]:

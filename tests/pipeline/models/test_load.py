@@ -255,3 +255,15 @@ def test_models_home(monkeypatch, tmp_path):
     assert models.models_home() == tmp_path / "models"
     monkeypatch.delenv("TQPIPE_HOME")
     assert models.models_home() == Path.home() / ".cache" / "tqpipe" / "models"
+
+
+def test_a_model_that_cannot_warm_up_still_loads(caplog):
+    """The warm-up only moves one-time GPU setup into loading: a model whose
+    text model wants more than token ids is loaded unwarmed, with a warning."""
+
+    class NeedsImages(nn.Module):
+        def __call__(self, x, pixel_values):
+            return x
+
+    models.warm_up(NeedsImages())
+    assert "warm-up skipped" in caplog.text and "TypeError" in caplog.text
