@@ -331,7 +331,7 @@ class CubinKernel:
         return built
 
     def __call__(self, *, inputs, output_shapes, output_dtypes, grid, threadgroup, template=(),
-                 init_value=None, **kw):
+                 init_value=None, stream=None):
         built = self._built.get(tuple(template), False)
         if built is False:
             built = self.build(template)
@@ -340,10 +340,10 @@ class CubinKernel:
                 self._fallback_kernel = self._fallback()
             return self._fallback_kernel(inputs=inputs, output_shapes=output_shapes, output_dtypes=output_dtypes,
                                          grid=grid, threadgroup=threadgroup, template=list(template),
-                                         init_value=init_value, **kw)
+                                         init_value=init_value, stream=stream)
         symbol, cubin = built
         return mx.fast.precompiled_cuda_kernel(
             name=symbol, compiled_source=cubin, inputs=inputs, output_shapes=output_shapes,
             output_dtypes=output_dtypes, scalars=[], grid=grid, threadgroup=threadgroup,
-            init_value=init_value, ensure_row_contiguous=True,
+            init_value=init_value, ensure_row_contiguous=True, stream=stream,
         )

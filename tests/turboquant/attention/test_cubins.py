@@ -122,6 +122,12 @@ def test_compiled_once_per_machine_then_read_from_the_store(store, launches):
     launch_quantize(quantize_kernel(again), d=64, dtype=mx.float32)  # another template: its own cubin
     assert len(again.compiled) == 1 and launches[-1]["name"] != symbol
 
+    x = mx.zeros((4, 128), mx.float16)  # a stream given reaches the launch
+    first(inputs=[x] * 4, template=[("D", 128), ("BITS", 3), ("T", mx.float16)], grid=(32, 4, 1),
+          threadgroup=(32, 1, 1), output_shapes=[(4, 12), (4,)], output_dtypes=[mx.uint32, mx.float16],
+          stream=mx.cpu)
+    assert launches[-1]["stream"] == mx.cpu
+
 
 def test_a_damaged_store_file_is_compiled_again(store, launches):
     launch_quantize(quantize_kernel(FakeNvrtc()))
