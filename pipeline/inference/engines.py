@@ -5,13 +5,17 @@ it, so a rerun with nothing to do loads no model.  Before a document is read,
 :meth:`Engines.reads_images` says whether the model takes page images, which
 decides whether scanned pages are sent as images or OCR'd into text.  A model
 with random weights (the built-in tiny VLM, used only when named) is said so
-in the log once per run; each of its records carries the warning.
+in the log once per run; each of its records carries the warning.  On a
+GPU a new engine is warmed up (``Engine.warm_up``) before its first document.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any, Callable
+
+import mlx.core as mx
 
 from pipeline.schema.job import Job
 
@@ -77,5 +81,10 @@ class Engines:
                 logger.warning("model %s has seeded random weights: its answers are noise (every record is "
                                "marked with the random_weights warning); name a trained model in model.path",
                                loaded.name)
-            self._engines[slot] = Engine(loaded, self.job.spec.cache, store=store_for_job(self.job))
+            engine = Engine(loaded, self.job.spec.cache, store=store_for_job(self.job))
+            if mx.default_device() != mx.cpu:
+                t0 = time.perf_counter()
+                engine.warm_up()
+                logger.info("warmed up the engine on the GPU in %.2f s", time.perf_counter() - t0)
+            self._engines[slot] = engine
         return self._engines[slot]

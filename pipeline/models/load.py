@@ -26,7 +26,6 @@ float32 copy would not fit in memory.
 from __future__ import annotations
 
 import json
-import logging
 import os
 import re
 from dataclasses import dataclass, field
@@ -42,7 +41,6 @@ from pipeline.models.smollm2 import ensure_smollm2
 from pipeline.models.store import models_home, read_marker, tqpipe_home
 from turboquant.attention import cubins
 
-log = logging.getLogger(__name__)
 
 __all__ = [
     "BUILTIN_TEXT",
@@ -189,10 +187,9 @@ def prepare_for_device(model: Any) -> Any:
     """Float32 and dequantized on CPU (BLAS path).  On GPU the weights are
     untouched; TurboQuant's compiled CUDA kernels are kept with tqpipe's
     other caches (``$TQPIPE_HOME/kernels``), so a later process does not
-    compile them; and the model runs once (:func:`warm_up`)."""
+    compile them."""
     if mx.default_device() != mx.cpu:
         cubins.use_store(tqpipe_home() / "kernels")
-        warm_up(model)
         return model
     if os.environ.get("TQPIPE_CPU_KEEP_QUANTIZED", "") not in ("1", "true"):
         from mlx_lm.utils import dequantize_model
@@ -201,22 +198,6 @@ def prepare_for_device(model: Any) -> Any:
     model.set_dtype(mx.float32)
     mx.eval(model.parameters())
     return model
-
-
-def warm_up(model: Any) -> None:
-    """One forward pass over two tokens, no cache.  A process's first forward
-    on the GPU pays one-time setup (cuBLAS handles, MLX's kernel modules read
-    from its disk cache): part of loading the model, not of the first
-    document's first token.  llama.cpp warms a model up the same way.  A
-    model family whose text model wants more than token ids is not warmed
-    (a warning): the warm-up only moves time, it must never fail a load."""
-    language_model = getattr(model, "language_model", model)
-    try:
-        out = language_model(mx.array([[1, 2]]))
-        mx.eval(getattr(out, "logits", out))
-    except Exception as e:
-        log.warning("model warm-up skipped (%s: %s); the first task pays the GPU's one-time setup",
-                    type(e).__name__, e)
 
 
 def _eos_ids(config: dict) -> list[int]:

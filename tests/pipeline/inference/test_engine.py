@@ -302,3 +302,35 @@ def test_job_quantizer_reaches_the_cache():
         caches[0].update_and_fetch(x[:, :, :1], x[:, :, :1])
         assert caches[0].quantizer == quantizer
         assert type(caches[0].key_codec) is codec_type
+
+
+def test_warm_up_runs_the_kernel_routes_of_a_cached_document_and_leaves_no_trace(monkeypatch):
+    """A document loaded from the store runs its task's prefill over packed
+    history, then decode steps: on a GPU the warm-up must run those routes
+    (here chosen as CUDA would), and change nothing a document sees."""
+    import dataclasses
+
+    from turboquant.attention import dispatch, route
+
+    loaded = tiny_llama(hidden_size=256, intermediate_size=256)  # head dim 64, as the CUDA kernels take
+    calls = []
+    real = dispatch.choose
+    monkeypatch.setattr(dispatch, "choose", lambda call, *a: calls.append(call) or real(call, *a))
+    engine = Engine(loaded, CacheSpec(kv_quant_scheme="turboquant", window=16), batch_tasks=False)
+    engine.warm_up()
+    on_cuda = {route.choose(dataclasses.replace(c, on_gpu=True), "cuda", "auto") for c in calls}
+    assert {route.Route.TC, route.Route.FUSED_STEP} <= on_cuda  # both read packed history
+    assert (engine.prefill_count, engine.tokens_forwarded, engine.decode_forwards) == (0, 0, 0)
+    assert engine.cache is None
+
+
+def test_a_warm_up_that_fails_is_a_warning(monkeypatch, caplog):
+    engine = Engine(tiny_llama(), CacheSpec(kv_quant_scheme="turboquant"))
+
+    def fail(*a, **k):
+        raise RuntimeError("no kernel")
+
+    monkeypatch.setattr(engine, "_forward", fail)
+    engine.warm_up()
+    assert "engine warm-up skipped (RuntimeError: no kernel)" in caplog.text
+    assert engine.cache is None and engine.prefill_count == 0

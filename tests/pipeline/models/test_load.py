@@ -68,31 +68,9 @@ def test_gpu_models_keep_their_dtype_and_quantization(monkeypatch):
     model.set_dtype(mx.bfloat16)
     nn.quantize(model, group_size=32, bits=4, class_predicate=lambda path, m: path == "layers.0")
     monkeypatch.setattr(models.mx, "default_device", lambda: mx.Device(mx.gpu))
-    warmed = []
-    monkeypatch.setattr(models, "warm_up", warmed.append)
     models.prepare_for_device(model)
     assert isinstance(model.layers[0], nn.QuantizedLinear)
     assert model.layers[1].weight.dtype == mx.bfloat16
-    assert warmed == [model]  # the process's first forward is part of loading on a GPU
-
-
-def test_warm_up_runs_a_text_model_and_a_vlm_language_model(monkeypatch):
-    from tiny_models import tiny_llama
-
-    calls = []
-
-    class Wrapper(nn.Module):  # mlx-vlm: the text model is .language_model
-        def __init__(self):
-            super().__init__()
-            self.language_model = tiny_llama()
-
-    for model in (tiny_llama(), Wrapper()):
-        inner = getattr(model, "language_model", model)
-        real = type(inner).__call__
-        monkeypatch.setattr(type(inner), "__call__", lambda self, x, *a, **k: calls.append(x.shape) or real(self, x, *a, **k))
-        models.warm_up(model)
-        monkeypatch.undo()
-    assert calls == [(1, 2), (1, 2)]
 
 
 def test_local_directory_is_detected_as_vlm(tiny_vlm_dir):
@@ -255,15 +233,3 @@ def test_models_home(monkeypatch, tmp_path):
     assert models.models_home() == tmp_path / "models"
     monkeypatch.delenv("TQPIPE_HOME")
     assert models.models_home() == Path.home() / ".cache" / "tqpipe" / "models"
-
-
-def test_a_model_that_cannot_warm_up_still_loads(caplog):
-    """The warm-up only moves one-time GPU setup into loading: a model whose
-    text model wants more than token ids is loaded unwarmed, with a warning."""
-
-    class NeedsImages(nn.Module):
-        def __call__(self, x, pixel_values):
-            return x
-
-    models.warm_up(NeedsImages())
-    assert "warm-up skipped" in caplog.text and "TypeError" in caplog.text
