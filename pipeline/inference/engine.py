@@ -159,6 +159,9 @@ class Engine:
             value = getattr(loaded.tokenizer, attr, None)
             if value is not None:
                 self.eos_ids.update(int(v) for v in (value if isinstance(value, (list, tuple, set)) else [value]))
+        emb = getattr(self.backbone, "embed_tokens", None)
+        rows = getattr(emb, "num_embeddings", None) or getattr(getattr(emb, "weight", None), "shape", (None,))[0]
+        self.vocab_size: int | None = int(rows) if rows else None  # None: an unknown layout, not checked
         self.cache: list | None = None
         self.prefill_count = 0
         self.tokens_forwarded = 0  # rows x positions through the backbone
@@ -509,6 +512,7 @@ class Engine:
         task's result in task order: all at once after a batch of rows, else
         each as soon as it is done.  ``state``: the document is already in
         the cache (``load_cached`` with a hit the caller holds)."""
+        self._check_vocabulary(prompt, tasks)
         if state is None:
             state = self.prepare(prompt, reserve=reserve_for(prompt, tasks), key=key, info=info,
                                  on_tokens=on_prefill)
@@ -529,6 +533,18 @@ class Engine:
         finally:
             self.cache = None
             mx.clear_cache()
+
+    def _check_vocabulary(self, prompt: DocumentPrompt, tasks: Sequence[Any]) -> None:
+        """A token id past the model's embedding rows is an error for this
+        document: MLX's gather does not check bounds (on a CPU the process
+        crashes, on a GPU the answer is silently noise).  Only a tokenizer
+        that does not belong to the model produces one."""
+        if self.vocab_size is None:
+            return
+        top = max([*prompt.prefix_ids, *(i for t in tasks for i in prompt.task_ids[t.name])], default=0)
+        if top >= self.vocab_size:
+            raise TqpipeError(f"token id {top} is outside the model's {self.vocab_size}-token vocabulary: "
+                              "the tokenizer does not match the model")
 
     def process(self, prompt: DocumentPrompt, tasks: Sequence[Any], *, key: DocKey | None = None) -> list[TaskResult]:
         """All task results of one document (see ``iter_process``)."""

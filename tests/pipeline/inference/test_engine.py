@@ -334,3 +334,25 @@ def test_a_warm_up_that_fails_is_a_warning(monkeypatch, caplog):
     engine.warm_up()
     assert "engine warm-up skipped (RuntimeError: no kernel)" in caplog.text
     assert engine.cache is None and engine.prefill_count == 0
+
+
+def test_a_token_id_outside_the_vocabulary_is_an_error_not_a_crash():
+    """MLX's embedding gather does not check bounds (a CPU process dies on it):
+    a document whose ids do not fit the model is refused before any forward."""
+    from pipeline.errors import TqpipeError
+
+    loaded = tiny_llama()
+    loaded.model.model.embed_tokens = loaded.model.model.embed_tokens.inner  # unwrap the counter
+    engine = Engine(loaded, CacheSpec(kv_quant_scheme="turboquant"))
+    assert engine.vocab_size == VOCAB
+    prompt = make_prompt(40, TASKS[:1])
+    prompt.prefix_ids[7] = VOCAB
+    with pytest.raises(TqpipeError, match=f"token id {VOCAB} is outside the model's {VOCAB}-token vocabulary"):
+        engine.process(prompt, TASKS[:1])
+    assert engine.tokens_forwarded == 0
+    prompt.prefix_ids[7] = VOCAB - 1
+    prompt.task_ids[TASKS[0].name][-1] = VOCAB + 5  # a task's ids too
+    with pytest.raises(TqpipeError, match=f"token id {VOCAB + 5}"):
+        engine.process(prompt, TASKS[:1])
+    prompt.task_ids[TASKS[0].name][-1] = 2
+    assert engine.process(prompt, TASKS[:1])[0].token_ids
