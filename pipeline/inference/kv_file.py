@@ -310,11 +310,12 @@ def read(path: Path, *, key: dict | None = None) -> CacheFile:
 
 def _read_once(path: Path, key: dict | None) -> CacheFile:
     """One :func:`read`: the header through one open handle, then ``mx.load``
-    straight into MLX buffers (device memory on CUDA) while threads checksum
-    the same tensors on the file.
+    on the CPU stream into MLX buffers (CUDA managed memory: the first
+    kernel that reads them moves them to the GPU) while threads checksum the
+    same tensors on the file.
 
-    Checksumming the loaded arrays instead would make the host read device
-    memory, which moves the whole cache out of the GPU's memory.  Files are
+    Checksumming the loaded arrays instead would serialise the two passes
+    and, once the GPU has touched them, make the host read device memory.  Files are
     only ever replaced whole (renamed), so if the path still names the
     handle's file after the load, every byte came from that file; otherwise
     :class:`_Replaced`.
@@ -336,7 +337,10 @@ def _read_once(path: Path, key: dict | None) -> CacheFile:
             with ThreadPoolExecutor(CRC_THREADS) as pool:
                 checks = [pool.submit(_check_tensor, f.fileno(), *span) for span in spans]
                 try:
-                    arrays = mx.load(str(path))
+                    # on the CPU stream: on CUDA, mx.load on the GPU stream is
+                    # 3x slower (H100, 3.9 GB: 2.3 s against 0.40 s + 0.36 s
+                    # for the GPU's first touch, which the task's prefill pays)
+                    arrays = mx.load(str(path), stream=mx.cpu)
                     mx.eval(list(arrays.values()))
                 finally:
                     for check in checks:  # a damaged file's own error before MLX's

@@ -203,8 +203,8 @@ def test_a_file_replaced_while_it_is_read_is_read_again(tmp_path, model, monkeyp
     real_load = mx.load
     left = [renames]
 
-    def load_then_replace(p):
-        arrays = real_load(p)
+    def load_then_replace(p, **kwargs):
+        arrays = real_load(p, **kwargs)
         if left[0]:
             left[0] -= 1
             other = tmp_path / f"other{left[0]}.safetensors"
@@ -218,6 +218,22 @@ def test_a_file_replaced_while_it_is_read_is_read_again(tmp_path, model, monkeyp
     else:
         with pytest.raises(CacheFileError, match="replaced while it was read"):
             kv_file.read(path, key=KEY)
+
+
+def test_tensors_load_on_the_cpu_stream(tmp_path, model, monkeypatch):
+    """On CUDA, mx.load on the GPU stream took 3x as long (H100, 3.9 GB:
+    2.3 s against 0.76 s with the GPU's first touch), so the read names
+    the CPU stream whatever the default device is."""
+    path = _written(tmp_path, model)
+    real_load, streams = mx.load, []
+
+    def recording_load(p, **kwargs):
+        streams.append(kwargs.get("stream"))
+        return real_load(p, **kwargs)
+
+    monkeypatch.setattr(mx, "load", recording_load)
+    assert kv_file.read(path, key=KEY).prefix_ids
+    assert streams == [mx.cpu]
 
 
 def test_the_writer_reads_bit_exact_device_copies_on_cuda(monkeypatch):
