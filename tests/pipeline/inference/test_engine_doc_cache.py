@@ -140,3 +140,41 @@ def test_vlm_with_page_images_and_mrope_positions_loads_exactly(tmp_path, tiny_v
     assert [r.token_ids for r in cached] == [r.token_ids for r in fresh]
     (entry,) = DocCacheStore(tmp_path).entries()
     assert entry.info["pos_delta"] not in (None, 0) and entry.info["pos_ndim"] == 3
+
+
+def test_time_before_the_first_task_is_counted_in_prefill_or_load(tmp_path, monkeypatch):
+    """A task's time to first token is ``prefill_s`` (or the store's
+    ``load_s``) + ``task_prefill_s``: the settle before the first task (the
+    document's tail quantized) counts as prefill, and the reserve and
+    evaluation that put a loaded cache in place count as its load."""
+    import time
+
+    from turboquant.cache import TurboQuantKVCache
+
+    spec = SPECS[0]
+    loaded, prompt = tiny_llama(), make_prompt(150)
+    key = key_for(prompt, spec)
+    real_settle, real_reserve = TurboQuantKVCache.settle, TurboQuantKVCache.reserve
+
+    def slow_settle(self):
+        time.sleep(0.25)  # well above this prefill's own time
+        return real_settle(self)
+
+    monkeypatch.setattr(TurboQuantKVCache, "settle", slow_settle)
+    engine = Engine(loaded, spec, store=DocCacheStore(tmp_path))
+    state = engine.prepare(prompt, reserve=64, key=key)  # prefilled, settled and stored
+    assert state.settled and state.prefill_s >= 2 * 0.25  # two layers
+    first = engine.run_task(state, TASKS[0], prompt.task_ids["a"])
+    assert first.timing["prefill_s"] == round(state.prefill_s, 4)
+
+    def slow_reserve(self, n):
+        time.sleep(0.05)
+        return real_reserve(self, n)
+
+    monkeypatch.setattr(TurboQuantKVCache, "reserve", slow_reserve)
+    again = Engine(loaded, spec, store=DocCacheStore(tmp_path))
+    hit_state = again.load_cached(prompt, key, reserve=64)
+    assert hit_state.settled and hit_state.prefill_s == 0.0
+    assert hit_state.doc_cache["load_s"] >= 2 * 0.05
+    result = again.run_task(hit_state, TASKS[0], prompt.task_ids["a"])
+    assert result.timing["prefill_s"] == 0.0 and result.token_ids == first.token_ids
