@@ -5,14 +5,17 @@
 
 Generates a ``--pages``-page text PDF (``pipeline.inputs.samples.make_long_pdf``,
 ~430 tokens a page, so 18 pages fill most of the built-in SmolLM2's 8192-token
-context) and runs ``tqpipe run`` three times, each in a fresh process, with
+context) and runs ``tqpipe run`` four times, each in a fresh process, with
 the store in the work folder (``cache_store.path``):
 
 1. **first**: the job with one task; the document is prefilled and its cache stored;
 2. **added**: the same job with a second task appended; only that task runs,
    and its record must say ``cache.doc_cache.hit`` with ``timing.prefill_s == 0``;
 3. **fresh**: the second task alone with the store off (``max_gb: 0``), the
-   reference a loaded cache must reproduce (greedy, so the text must be equal).
+   reference a loaded cache must reproduce (greedy, so the text must be equal);
+4. **again**: run 3 once more, the control: where two fresh prefills already
+   answer differently (GPU decode is not bit-reproducible), a loaded cache's
+   differing answer says nothing against the cache.
 
 Where each key comes from (the records, nothing re-timed):
 
@@ -28,6 +31,7 @@ Where each key comes from (the records, nothing re-timed):
 * ``bytes_on_disk``: the store entry's file size; ``bytes_in_memory``: the storing run's
   ``cache.nbytes_after_prefill`` (the bytes the cache holds for its tokens);
 * ``identical``: the added-task run's answer == the reference run's answer;
+  ``repeatable``: the reference run's answer == run 4's (the same job again);
 * ``records_timing``: each run's ``timing`` and ``cache.doc_cache`` fields, as recorded.
 
 ``--tiny`` is the CPU smoke test: 2 pages, chunks of 128, 4 new tokens.
@@ -79,8 +83,9 @@ def measure(work: Path, *, pages: int, chunk: int, kv_bits: float, task_tokens: 
         "first": job_yaml("doc-cache", TASKS[:1], store=str(store), output="results.jsonl", **opts),
         "added": job_yaml("doc-cache", TASKS, store=str(store), output="results.jsonl", **opts),
         "fresh": job_yaml("doc-cache-fresh", TASKS[1:], store=None, output="fresh.jsonl", **opts),
+        "again": job_yaml("doc-cache-again", TASKS[1:], store=None, output="again.jsonl", **opts),
     }
-    for name in ("results.jsonl", "fresh.jsonl"):
+    for name in ("results.jsonl", "fresh.jsonl", "again.jsonl"):
         (work / name).unlink(missing_ok=True)
     walls = {}
     for name, text in runs.items():
@@ -94,7 +99,8 @@ def measure(work: Path, *, pages: int, chunk: int, kv_bits: float, task_tokens: 
             raise SystemExit(f"{job}: tqpipe run exited {code}")
     first, added = _records(work / "results.jsonl")
     (fresh,) = _records(work / "fresh.jsonl")
-    for r in (first, added, fresh):
+    (again,) = _records(work / "again.jsonl")
+    for r in (first, added, fresh, again):
         if r["status"] != "ok":
             raise SystemExit(f"run recorded an error: {r['error']}")
     entries = list(store.glob("*.safetensors"))
@@ -123,8 +129,10 @@ def measure(work: Path, *, pages: int, chunk: int, kv_bits: float, task_tokens: 
         "disk_per_token": bytes_on_disk / tokens,
         "memory_per_token": bytes_in_memory / tokens,
         "identical": added["output"] == fresh["output"],
+        "repeatable": fresh["output"] == again["output"],
         "answer_cached": added["output"],
         "answer_fresh": fresh["output"],
+        "answer_again": again["output"],
         "wall_s": {k: round(v, 1) for k, v in walls.items()},
         "records_timing": {name: {**r["timing"], **(r["cache"].get("doc_cache") or {})}
                            for name, r in (("first", first), ("added", added), ("fresh", fresh))},
@@ -143,7 +151,9 @@ def report(r: dict) -> str:
         f"time to first token {r['ttft_cached_s']:.3f} s = {100 * r['ttft_cached_s'] / r['prefill_s']:.2f}% of the storing run's prefill",
         f"bytes: {r['bytes_on_disk']} on disk vs {r['bytes_in_memory']} in memory "
         f"({r['disk_per_token']:.1f} vs {r['memory_per_token']:.1f} per token, {r['bytes_on_disk'] / r['bytes_in_memory']:.4f}x)",
-        f"identical answers: {r['identical']} ({r['answer_cached']!r} vs {r['answer_fresh']!r})",
+        f"identical answers: {r['identical']} ({r['answer_cached']!r} vs {r['answer_fresh']!r}); "
+        f"control, the reference run again: {'same' if r['repeatable'] else 'DIFFERENT'} answer"
+        + ("" if r["repeatable"] else f" ({r['answer_again']!r}: decode is not reproducible here)"),
     ])
 
 
