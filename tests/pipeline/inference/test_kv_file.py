@@ -196,8 +196,11 @@ def test_the_loader_checks_the_file_and_never_reads_a_loaded_array(tmp_path, mod
 
 @pytest.mark.parametrize("renames", [1, kv_file.READ_ATTEMPTS])
 def test_a_file_replaced_while_it_is_read_is_read_again(tmp_path, model, monkeypatch, renames):
-    """A writer of the same key renaming its file into place mid-read: the
-    read starts over on the new file; a path that keeps changing is refused."""
+    """Where the system cannot name an open file (no /proc/self/fd or
+    /dev/fd), mx.load reopens the path: a writer of the same key renaming
+    its file into place mid-read makes the read start over on the new file;
+    a path that keeps changing is refused."""
+    monkeypatch.setattr(kv_file, "_handle_path", lambda fd: None)
     path = _written(tmp_path, model)
     data = path.read_bytes()
     real_load = mx.load
@@ -218,6 +221,31 @@ def test_a_file_replaced_while_it_is_read_is_read_again(tmp_path, model, monkeyp
     else:
         with pytest.raises(CacheFileError, match="replaced while it was read"):
             kv_file.read(path, key=KEY)
+
+
+def test_a_file_replaced_on_every_read_is_read_whole_from_the_first_file(tmp_path, model, monkeypatch):
+    """mx.load opens the handle's own file: however often writers rename new
+    files over the path (here a cache of another document, at every load),
+    the read returns the file it opened first, complete, without a retry."""
+    path = _written(tmp_path, model)
+    first = kv_file.read(path, key=KEY)
+    caches, ids = prefill(model, "turboquant", n=120, kv_bits=3, window=16)
+    other = tmp_path / "other.safetensors"
+    kv_file.write(other, caches, ids, key={**KEY, "doc": "other"}, info={})
+    data, real_load, loads = other.read_bytes(), mx.load, []
+
+    def load_then_replace(p, **kwargs):
+        loads.append(p)
+        arrays = real_load(p, **kwargs)
+        fresh = tmp_path / f"next{len(loads)}.safetensors"
+        fresh.write_bytes(data)
+        fresh.replace(path)
+        return arrays
+
+    monkeypatch.setattr(mx, "load", load_then_replace)
+    got = kv_file.read(path, key=KEY)
+    assert len(loads) == 1 and got.prefix_ids == first.prefix_ids != ids
+    assert got.key == KEY
 
 
 def test_tensors_load_on_the_cpu_stream(tmp_path, model, monkeypatch):
