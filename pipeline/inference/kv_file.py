@@ -354,7 +354,8 @@ def _read_once(path: Path, key: dict | None) -> CacheFile:
                 try:
                     # on the CPU stream: on CUDA, mx.load on the GPU stream is
                     # 3x slower (H100, 3.9 GB: 2.3 s against 0.40 s + 0.36 s
-                    # for the GPU's first touch, which the task's prefill pays)
+                    # for the GPU's first touch, which Engine.load_cached's
+                    # evaluation pays, inside the recorded load time)
                     via = _handle_path(f.fileno())
                     arrays = mx.load(via or str(path), format="safetensors", stream=mx.cpu)
                     mx.eval(list(arrays.values()))
