@@ -13,7 +13,7 @@ the store in the work folder (``cache_store.path``):
    and its record must say ``cache.doc_cache.hit`` with ``timing.prefill_s == 0``;
 3. **fresh**: the second task alone with the store off (``max_gb: 0``), the
    reference a loaded cache must reproduce (greedy, so the text must be equal);
-4. **again**: run 3 once more, the control: where two fresh prefills already
+4. **again**: the fresh job once more, the control: where two fresh prefills already
    answer differently (GPU decode is not bit-reproducible), a loaded cache's
    differing answer says nothing against the cache.
 
@@ -31,7 +31,7 @@ Where each key comes from (the records, nothing re-timed):
 * ``bytes_on_disk``: the store entry's file size; ``bytes_in_memory``: the storing run's
   ``cache.nbytes_after_prefill`` (the bytes the cache holds for its tokens);
 * ``identical``: the added-task run's answer == the reference run's answer;
-  ``repeatable``: the reference run's answer == run 4's (the same job again);
+  ``repeatable``: the reference run's answer == the **again** run's (the same job);
 * ``records_timing``: each run's ``timing`` and ``cache.doc_cache`` fields, as recorded.
 
 ``--tiny`` is the CPU smoke test: 2 pages, chunks of 128, 4 new tokens.

@@ -15,9 +15,8 @@ import logging
 import time
 from typing import Any, Callable
 
-import mlx.core as mx
-
 from pipeline.schema.job import Job
+from turboquant.attention import device
 
 logger = logging.getLogger(__name__)
 
@@ -82,7 +81,7 @@ class Engines:
                                "marked with the random_weights warning); name a trained model in model.path",
                                loaded.name)
             engine = Engine(loaded, self.job.spec.cache, store=store_for_job(self.job))
-            if mx.default_device() != mx.cpu:
+            if device.on_gpu():
                 t0 = time.perf_counter()
                 engine.warm_up()
                 logger.info("warmed up the engine on the GPU in %.2f s", time.perf_counter() - t0)

@@ -27,7 +27,7 @@ def job(tmp_path):
 def test_a_new_engine_is_warmed_up_once_on_a_gpu_only(job, monkeypatch, device, warmed):
     warm_ups = []
     monkeypatch.setattr(Engine, "warm_up", lambda self: warm_ups.append(self))
-    monkeypatch.setattr(engines_module.mx, "default_device", lambda: mx.Device(device))
+    monkeypatch.setattr(mx, "default_device", lambda: mx.Device(device))
     engines = Engines(job, loader=lambda path, needs_images: tiny_llama())
     first = engines.get(False)
     assert engines.get(False) is first and engines.loads == 1
