@@ -5,7 +5,6 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 
-from pipeline.inference import engines as engines_module
 from pipeline.inference.engine import Engine
 from pipeline.inference.engines import Engines
 from pipeline.inputs.job_file import load_job
