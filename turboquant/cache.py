@@ -68,7 +68,8 @@ from .policy import QUANTIZERS, SINK_TOKENS, KVQuantPolicy, parse_kv_policy
 # Saved-cache format: bump whenever what the saved arrays mean changes.
 # 2: 4-bit keys / 3-bit values at 3.5 (3 / 2 at 2.5) and attention sinks
 # at the front of the exact tokens; format 1 (no version field) had neither.
-FORMAT = "tqcache-2"
+# 3: keys may be centred on a turned pre-RoPE mean (key_mean_pre, rotary_theta).
+FORMAT = "tqcache-3"
 
 
 def shrunk_mean(x: mx.array, axis: int = 2) -> mx.array:
@@ -116,6 +117,13 @@ class TurboQuantKVCache(_BaseCache):
             then win over the arguments above), this cache's layer index
             (rotation seed ``policy.seed + layer``).
     """
+
+    # The layer's RoPE angles (turboquant.rotary.Rotary; make_prompt_cache sets
+    # them where the attention route adds q . R(p) mean back) and, once the
+    # first token is packed, the pre-RoPE key mean the packed keys are centred
+    # on, turned to each one's position.  Both travel in the saved state.
+    rotary = None
+    key_mean_pre: Optional[mx.array] = None
 
     step = 256  # capacity granularity in tokens
     growth = 1.5
@@ -288,14 +296,24 @@ class TurboQuantKVCache(_BaseCache):
         if excess <= 0:
             return
         s = self.sink_len
+        p0 = s + self.packed_len  # position of the first token flushed now
         if self.key_mean is None:
             # All tokens seen so far but the sinks: the best estimate
             # available at the moment the first token is quantized, fixed
             # from then on (shrunk toward 0 where it is within noise, see
             # shrunk_mean).
-            self.key_mean = shrunk_mean(self.window_keys[:, :, s:], axis=2)
+            if self.rotary is not None:
+                wk = self.window_keys[:, :, s:].astype(mx.float32)
+                pos = mx.arange(s, s + wk.shape[2])
+                self.key_mean_pre = shrunk_mean(self.rotary.rotate(wk, -pos), axis=2)
+                self.key_mean = mx.zeros_like(self.key_mean_pre)
+            else:
+                self.key_mean = shrunk_mean(self.window_keys[:, :, s:], axis=2)
             self.value_mean = shrunk_mean(self.window_values[:, :, s:], axis=2)
         old_k = self.window_keys[:, :, s : s + excess].astype(mx.float32) - self.key_mean
+        if self.rotary is not None:
+            old_k = old_k - self.rotary.rotate(mx.broadcast_to(self.key_mean_pre, old_k.shape),
+                                               mx.arange(p0, p0 + excess))
         old_v = self.window_values[:, :, s : s + excess].astype(mx.float32) - self.value_mean
         # The fused quantize kernel on a GPU, the codec (reference) elsewhere.
         k_packed, k_norms = launchers.quantize_any(old_k, self.key_codec)
@@ -355,7 +373,8 @@ class TurboQuantKVCache(_BaseCache):
         self.offset = new_offset
         return n
 
-    _CHECKPOINT_ATTRS = ("offset", "packed_len", "window_keys", "window_values", "key_mean", "value_mean", "hold")
+    _CHECKPOINT_ATTRS = ("offset", "packed_len", "window_keys", "window_values", "key_mean", "key_mean_pre",
+                         "value_mean", "hold")
 
     def checkpoint(self) -> dict:
         """A cheap marker to come back to with ``restore`` (references, no copies).
@@ -380,7 +399,7 @@ class TurboQuantKVCache(_BaseCache):
         the means.  ``used_nbytes`` counts only what holds tokens."""
         arrays = (
             self.keys_packed, self.keys_norms, self.values_packed, self.values_norms,
-            self.window_keys, self.window_values, self.key_mean, self.value_mean,
+            self.window_keys, self.window_values, self.key_mean, self.key_mean_pre, self.value_mean,
         )
         return sum(a.nbytes for a in arrays if a is not None)
 
@@ -394,7 +413,7 @@ class TurboQuantKVCache(_BaseCache):
                 for a in (self.keys_packed, self.keys_norms, self.values_packed, self.values_norms)
             )
             total += per_token * self.packed_len
-        for a in (self.window_keys, self.window_values, self.key_mean, self.value_mean):
+        for a in (self.window_keys, self.window_values, self.key_mean, self.key_mean_pre, self.value_mean):
             if a is not None:
                 total += a.nbytes
         return total
@@ -403,11 +422,21 @@ class TurboQuantKVCache(_BaseCache):
     _ARRAYS = (
         "window_keys", "window_values", "keys_packed", "keys_norms",
         "values_packed", "values_norms", "key_mean", "value_mean",
+        "key_mean_pre", "rotary_theta",
     )
 
     @property
+    def rotary_theta(self) -> Optional[mx.array]:
+        """The RoPE angles the keys were centred with (saved with the cache)."""
+        return None if self.rotary is None else self.rotary.theta
+
+    @rotary_theta.setter
+    def rotary_theta(self, theta: Optional[mx.array]) -> None:
+        self._saved_theta = theta
+
+    @property
     def state(self) -> tuple:
-        """Eight array slots (None where empty) followed by the meta strings.
+        """Ten array slots (None where empty) followed by the meta strings.
 
         mlx-lm's ``save_prompt_cache`` saves only ``state`` and rebuilds with
         ``from_state(state)``, so the meta data has to travel inside it;
@@ -437,6 +466,11 @@ class TurboQuantKVCache(_BaseCache):
             if a is not None and a.size == 0 and name not in ("window_keys", "window_values"):
                 a = None  # mlx-lm saves None as an empty array
             setattr(self, name, a)
+        theta, meta = getattr(self, "_saved_theta", None), getattr(self, "_rotary_meta", None)
+        if theta is not None and meta is not None and meta[0]:
+            from .rotary import Rotary
+
+            self.rotary = Rotary(theta.astype(mx.float32), meta[0], meta[1]).canonical()
 
     @property
     def meta_state(self) -> tuple[str, ...]:
@@ -446,6 +480,8 @@ class TurboQuantKVCache(_BaseCache):
             for x in (
                 self.key_bits, self.value_bits, self.window, self.sinks, self.seed,
                 self.offset, self.packed_len, dims[0], dims[1], self.quantizer,
+                0 if self.rotary is None else self.rotary.dims,
+                int(self.rotary is not None and self.rotary.traditional),
             )
         )
 
@@ -456,11 +492,11 @@ class TurboQuantKVCache(_BaseCache):
             found = v[0] if v and v[0].startswith("tqcache-") else "tqcache-1 (no version field)"
             raise ValueError(
                 f"TurboQuantKVCache: this saved cache has format {found}; this tqpipe reads "
-                f"{FORMAT} only (the bit split and the exact attention sinks changed what the "
+                f"{FORMAT} only (keys centred on a mean turned by RoPE changed what the "
                 "saved arrays mean); prefill the document again to rebuild it"
             )
-        if len(v) != 11:
-            raise ValueError(f"TurboQuantKVCache: {FORMAT} meta state has 11 fields, got {len(v)}")
+        if len(v) != 13:
+            raise ValueError(f"TurboQuantKVCache: {FORMAT} meta state has 13 fields, got {len(v)}")
         quantizer = v[10]
         if quantizer not in QUANTIZERS:
             raise ValueError(
@@ -477,6 +513,7 @@ class TurboQuantKVCache(_BaseCache):
         self.rotation = self.value_rotation = self.key_codec = self.value_codec = None
         if k_dim:
             self._setup(k_dim, v_dim)
+        self._rotary_meta = (int(v[11]), bool(int(v[12])))
 
     @classmethod
     def from_state(cls, state, meta_state=None) -> "TurboQuantKVCache":

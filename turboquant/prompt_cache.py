@@ -15,9 +15,12 @@ from typing import Any, Optional
 
 import mlx.nn as nn
 
+from .attention.device import backend, mode, on_gpu
+from .attention.route import rotary_mean_allowed
 from .cache import TurboQuantKVCache
 from .integration import install
 from .policy import SINK_TOKENS, parse_kv_policy
+from .rotary import Rotary
 
 
 def _plain_kv_types() -> tuple[type, ...]:
@@ -129,6 +132,18 @@ def make_prompt_cache(
                 "use kv_quant_scheme='fp16' or 'affine' for this model"
             )
         install()
+    rotaries = _layer_rotaries(model) if rotary_mean_allowed(backend(), mode(), on_gpu()) else {}
     for i in layers:
         caches[i] = TurboQuantKVCache(policy=policy, layer=i)
+        caches[i].rotary = rotaries.get(i)
     return caches
+
+
+def _layer_rotaries(model: nn.Module) -> dict[int, Rotary]:
+    """Each layer's RoPE angles where its kind is known (``Rotary.of``)."""
+    out: dict[int, Rotary] = {}
+    for i, layer in enumerate(getattr(model, "layers", None) or []):
+        r = Rotary.of(getattr(getattr(layer, "self_attn", None), "rope", None))
+        if r is not None:
+            out[i] = r.canonical()
+    return out

@@ -23,7 +23,7 @@ def turboquant_attention(
     in the queries' dtype.  ``route.choose`` picks the path; each route
     computes the same attention (the kernels within fp16-SDPA accuracy).
     """
-    if mask is None and sinks is None:
+    if mask is None and sinks is None and getattr(cache, "key_mean_pre", None) is None:
         out = fused_step(queries, window_keys, window_values, cache, scale)  # a cached FUSED_STEP
         if out is not None:
             return out

@@ -91,8 +91,11 @@ def _update(k_offsets: bool, v_offsets: bool):
     return mx.compile(update)
 
 
-def _packed_part(q_rot: mx.array, cache, packed_mask: Optional[mx.array], G: int, L: int):
-    """Online softmax over packed history.  q_rot [B, H_kv, G*L, D] (scaled).
+def _packed_part(q_rot: mx.array, cache, packed_mask: Optional[mx.array], G: int, L: int,
+                 q_plain: Optional[mx.array] = None):
+    """Online softmax over packed history.  q_rot [B, H_kv, G*L, D] (scaled);
+    q_plain, the same queries unrotated, where keys are centred on a turned
+    mean (``cache.key_mean_pre``).
 
     Returns running max m, sum s [B, H_kv, G*L, 1] and the rotated-domain
     value accumulator [B, H_kv, G*L, Dv] (all float32).
@@ -114,7 +117,16 @@ def _packed_part(q_rot: mx.array, cache, packed_mask: Optional[mx.array], G: int
             q_rot, cache.keys_packed[:, :, a:e], cache.keys_norms[:, :, a:e],
             cache.values_packed[:, :, a:e], cache.values_norms[:, :, a:e], m, s, acc,
         )
-        m, s, acc = step(*args, None if packed_mask is None else packed_mask[..., a:e])
+        blk_mask = None if packed_mask is None else packed_mask[..., a:e]
+        if q_plain is not None:  # keys centred on R(p) mean_pre: q . R(p) mean_pre back, per key
+            s0 = cache.sink_len
+            bias = cache.rotary.score_bias(q_plain, cache.key_mean_pre, s0 + a, s0 + e)
+            L_ = 1 if blk_mask is None else blk_mask.shape[-2]
+            bias = bias.reshape(B, H_kv, M // L_, L_, e - a)
+            if blk_mask is not None:
+                bias = mx.where(blk_mask, bias, NEG) if blk_mask.dtype == mx.bool_ else bias + blk_mask
+            blk_mask = bias
+        m, s, acc = step(*args, blk_mask)
         if e < P:
             # MLX would otherwise schedule every block's decode at once (the
             # blocks are independent until the merge): evaluating here keeps
@@ -167,7 +179,8 @@ def reference_attention(
     if P == 0:
         out = out_w / s_w
     else:
-        m_p, s_p, acc = _packed_part(cache.rotation.forward(q), cache, packed_mask, G, L)
+        m_p, s_p, acc = _packed_part(cache.rotation.forward(q), cache, packed_mask, G, L,
+                                     q_plain=q if getattr(cache, "key_mean_pre", None) is not None else None)
         # Centred keys lost q·mean_k, a per-row constant of the packed part
         # only; the window is uncentred, so put it back before merging.
         m_p = m_p + q @ cache.key_mean.swapaxes(-1, -2)

@@ -48,6 +48,7 @@ class Call:
     window_mask: bool  # a mask over the window
     sinks: bool
     on_gpu: bool  # MLX's default device is the GPU
+    rotary_mean: bool = False  # keys centred on a turned pre-RoPE mean (turboquant.rotary)
 
     @property
     def rows(self) -> int:
@@ -74,6 +75,7 @@ def describe(queries, window_keys, window_values, cache, packed_mask, window_mas
         hadamard=bool(getattr(rot, "is_walsh_hadamard", False) and getattr(vrot, "is_walsh_hadamard", False)),
         packed_mask=packed_mask is not None, window_mask=window_mask is not None,
         sinks=sinks is not None, on_gpu=on_gpu,
+        rotary_mean=getattr(cache, "key_mean_pre", None) is not None,
     )
 
 
@@ -89,6 +91,17 @@ def kernels_allowed(backend: Optional[str], mode: str, on_gpu: bool) -> bool:
             )
         return True
     return backend is not None and on_gpu
+
+
+def rotary_mean_allowed(backend: Optional[str], mode: str, on_gpu: bool) -> bool:
+    """Whether a cache made now may centre keys on their turned pre-RoPE mean.
+
+    Only where the packed history is read by the reference path: it and
+    dequantize + SDPA add the per-key ``q . R(p) mean`` back, the kernels do
+    not (yet), and a GPU cache that took those routes for every decode step
+    would be many times slower.  So GPU caches keep the constant mean.
+    """
+    return not kernels_allowed(backend, mode, on_gpu)
 
 
 def split_k_route(backend: Optional[str], d: int, capacity: int, rows: int) -> Route:
@@ -116,10 +129,13 @@ def choose(c: Call, backend: Optional[str], mode: str) -> Route:
     window mask, Walsh-Hadamard rotations, a window that fits shared
     memory), tc8 or tc otherwise.  Elsewhere (and for a mask into the
     history) SIMT up to ``PREFILL_ROWS`` rows, then dequantize + SDPA while
-    its temporary fits ``PREFILL_DEQUANT_BYTES``, the reference path beyond.
+    its temporary fits ``PREFILL_DEQUANT_BYTES``, the reference path beyond;
+    a cache centred on a turned mean takes those two only.
     """
     if c.sinks or not kernels_allowed(backend, mode, c.on_gpu):
         return Route.REFERENCE
+    if c.rotary_mean:  # no kernel adds the per-key q . R(p) mean (rotary_mean_allowed)
+        return Route.DEQUANT_SDPA if dequant_bytes(c) <= table.PREFILL_DEQUANT_BYTES else Route.REFERENCE
     D = c.head_dim
     supported = (c.packed > 0 and c.window_key_dim == D and D in (64, 128, 256)
                  and c.codec_dim == D and c.scalar_codes)

@@ -310,8 +310,11 @@ def test_warm_up_runs_the_kernel_routes_of_a_cached_document_and_leaves_no_trace
     (here chosen as CUDA would), and change nothing a document sees."""
     import dataclasses
 
+    import turboquant.prompt_cache
     from turboquant.attention import dispatch, route
 
+    # caches as a GPU makes them (a constant key mean: no turned mean, which no kernel reads)
+    monkeypatch.setattr(turboquant.prompt_cache, "rotary_mean_allowed", lambda *a: False)
     loaded = tiny_llama(hidden_size=256, intermediate_size=256)  # head dim 64, as the CUDA kernels take
     calls = []
     real = dispatch.choose

@@ -1,0 +1,211 @@
+"""Keys centred on a turned pre-RoPE mean: Rotary reads a model's RoPE angles
+exactly, the attention adds q . R(p) mean back exactly, and only where the
+route has that term (the CPU's reference path)."""
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+from mlx_lm.models.rope_utils import Llama3RoPE
+
+from turboquant.rotary import Rotary
+
+LLAMA3 = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 8192}
+ROPES = {
+    "smollm2": lambda: nn.RoPE(64, traditional=False, base=100000.0),
+    "traditional": lambda: nn.RoPE(64, traditional=True, base=10000.0),
+    "partial-scaled": lambda: nn.RoPE(32, traditional=False, base=10000.0, scale=0.5),
+    "llama3": lambda: Llama3RoPE(128, max_position_embeddings=131072, base=500000.0, scaling_config=LLAMA3),
+}
+
+
+@pytest.mark.parametrize("name", ROPES)
+@pytest.mark.parametrize("offset", [0, 70000])
+def test_rotate_is_the_models_rope(name, offset):
+    rope = ROPES[name]()
+    D = 128 if name == "llama3" else 64
+    x = mx.random.normal((1, 2, 9, D), key=mx.random.key(3))
+    r = Rotary.of(rope)
+    assert r is not None
+    pos = mx.arange(offset, offset + 9)
+    want = rope(x, offset=offset)
+    # a float32 angle near 70000 rad is only good to ~0.008 rad (one ulp), in MLX's RoPE and here
+    atol = 2e-3 if offset == 0 else 3e-2
+    assert mx.allclose(r.rotate(x, pos), want, atol=atol)
+    assert mx.allclose(r.rotate(r.rotate(x, pos), -pos), x, atol=2e-3)
+
+
+def test_an_unknown_rope_kind_is_none():
+    class Custom(nn.Module):
+        def __call__(self, x, offset=0):
+            return x
+
+    assert Rotary.of(Custom()) is None
+
+
+def test_a_rotary_mean_cache_takes_no_kernel_route():
+    """Only the reference path and dequantize + SDPA add q . R(p) mean back."""
+    from dataclasses import replace
+
+    from turboquant.attention.route import Call, Route, choose
+
+    call = Call(batch=1, q_heads=4, kv_heads=2, length=1, head_dim=64, window_key_dim=64, value_dim=64,
+                window=8, packed=512, capacity=512, key_bits=4, value_bits=3, itemsize=2, codec_dim=64,
+                scalar_codes=True, hadamard=True, packed_mask=False, window_mask=False, sinks=False, on_gpu=True)
+    assert choose(call, "cuda", "auto") is Route.FUSED_STEP
+    assert choose(replace(call, rotary_mean=True), "cuda", "auto") is Route.DEQUANT_SDPA
+    assert choose(replace(call, rotary_mean=True, packed=1 << 24, capacity=1 << 24), "cuda", "auto") is Route.REFERENCE
+    assert choose(replace(call, rotary_mean=True, on_gpu=False), None, "auto") is Route.REFERENCE
+
+
+def test_reference_attention_over_a_rotary_centred_cache_is_attention_over_its_reconstruction():
+    """Exactness of the add-back: the packed part equals dense attention over
+    dequantized residual + R(p) mean_pre (values + their mean), sinks exact."""
+    from turboquant.attention.reference import reference_attention
+    from turboquant.cache import TurboQuantKVCache
+
+    rope = nn.RoPE(64, base=100000.0)
+    T, pos = 300, mx.arange(300)
+    k_pre = 0.3 * mx.random.normal((1, 2, T, 64), key=mx.random.key(1)) + 3 * mx.random.normal((1, 2, 1, 64), key=mx.random.key(2))
+    k = rope(k_pre)
+    v = mx.random.normal((1, 2, T, 64), key=mx.random.key(3))
+    c = TurboQuantKVCache(kv_bits=3.5, window=0)
+    c.rotary = Rotary.of(rope)
+    c.update_and_fetch(k, v)
+    c.settle()
+    assert c.key_mean_pre is not None and c.packed_len == T - c.sink_len
+    q = mx.random.normal((1, 4, 1, 64), key=mx.random.key(4))
+    out = reference_attention(q, c.window_keys, c.window_values, c, 0.125)
+
+    P, s = c.packed_len, c.sink_len
+    kp = c.key_codec.dequantize(c.keys_packed[:, :, :P], c.keys_norms[:, :, :P]) + c.key_mean
+    kp = kp + c.rotary.rotate(mx.broadcast_to(c.key_mean_pre, kp.shape), mx.arange(s, s + P))
+    vp = c.value_codec.dequantize(c.values_packed[:, :, :P], c.values_norms[:, :, :P]) + c.value_mean
+    keys = mx.concatenate([c.window_keys.astype(mx.float32), kp], axis=2)
+    values = mx.concatenate([c.window_values.astype(mx.float32), vp], axis=2)
+    scores = (q.reshape(1, 2, 2, 64) @ keys.swapaxes(-1, -2)) * 0.125
+    dense = (mx.softmax(scores, axis=-1) @ values).reshape(1, 4, 1, 64)
+    assert mx.allclose(out, dense, atol=1e-4)
+    # and it is attention over the original keys up to the codec's error
+    exact = (mx.softmax((q.reshape(1, 2, 2, 64) @ k.swapaxes(-1, -2)) * 0.125, axis=-1) @ v).reshape(1, 4, 1, 64)
+    assert mx.abs(out - exact).max().item() < 0.2
+
+
+def test_dequant_sdpa_over_a_rotary_centred_cache_matches_the_reference_path(monkeypatch):
+    """The dequantize + SDPA route (GPU prefill) adds the turned mean to the
+    history it dequantizes; the GPU dequantize kernel is stood in for by the
+    codec's own rotated-domain dequantize (what it computes)."""
+    from turboquant.attention import compose, launchers
+    from turboquant.attention.reference import reference_attention
+    from turboquant.cache import TurboQuantKVCache
+
+    codecs = {}
+
+    def dequantize(packed, norms, centroids, n, bits, dim, dtype=mx.float16, mean_rot=None):
+        codec = codecs[packed.shape[-1]]
+        out = codec.dequantize_rotated(packed[:, :, :n], norms[:, :, :n])
+        if mean_rot is not None:
+            out = out + mean_rot[:, :, None, :]
+        return out.astype(dtype)
+
+    monkeypatch.setattr(launchers, "dequantize", dequantize)
+    rope = nn.RoPE(64, base=100000.0)
+    k = rope(0.3 * mx.random.normal((1, 2, 300, 64), key=mx.random.key(1)) + 3 * mx.random.normal((1, 2, 1, 64), key=mx.random.key(2)))
+    v = mx.random.normal((1, 2, 300, 64), key=mx.random.key(3))
+    c = TurboQuantKVCache(kv_bits=3.5, window=16)
+    c.rotary = Rotary.of(rope)
+    c.update_and_fetch(k, v)
+    c.settle()
+    codecs[c.keys_packed.shape[-1]], codecs[c.values_packed.shape[-1]] = c.key_codec, c.value_codec
+    assert c.keys_packed.shape[-1] != c.values_packed.shape[-1]  # 4-bit keys, 3-bit values: told apart by width
+    q = mx.random.normal((1, 4, 3, 64), key=mx.random.key(4))
+    want = reference_attention(q, c.window_keys, c.window_values, c, 0.125, "causal")
+    got = compose.dequant_sdpa_attention(q.astype(mx.float32), c.window_keys, c.window_values, c, 0.125, "causal")
+    assert mx.allclose(got, want, atol=1e-4)
+
+
+@pytest.mark.parametrize("name", ROPES)
+def test_score_bias_is_q_dot_the_turned_mean(name):
+    """The angle-table form equals turning the mean and taking dot products,
+    also past the table's first size (it grows) and for a partial RoPE."""
+    rope = ROPES[name]()
+    D = 128 if name == "llama3" else 64
+    r = Rotary.of(rope)
+    q = mx.random.normal((1, 2, 3, D), key=mx.random.key(5))
+    mean = mx.random.normal((1, 2, 1, D), key=mx.random.key(6))
+    for start, stop in ((0, 40), (5000, 5100), (9000, 9003)):
+        pos = mx.arange(start, stop)
+        want = q @ r.rotate(mx.broadcast_to(mean, (1, 2, stop - start, D)), pos).swapaxes(-1, -2)
+        assert mx.allclose(r.score_bias(q, mean, start, stop), want, atol=1e-3)
+    assert r.table(1).shape[0] >= 9003
+
+
+def test_rotary_mean_only_where_the_reference_path_reads_the_cache():
+    from turboquant.attention.route import rotary_mean_allowed
+
+    assert rotary_mean_allowed(None, "auto", False)  # CPU
+    assert rotary_mean_allowed("cuda", "auto", False)  # CUDA build, CPU default device
+    assert rotary_mean_allowed("cuda", "reference", True)  # kernels off
+    assert not rotary_mean_allowed("cuda", "auto", True)
+    assert not rotary_mean_allowed("metal", "auto", True)
+
+
+def test_make_prompt_cache_turns_the_mean_on_the_cpu_only(monkeypatch):
+    """CPU: every layer gets its RoPE's angles, one shared instance (one angle
+    table); where kernels read the cache (a GPU), none: a constant mean."""
+    from mlx_lm.models import llama
+
+    import turboquant.prompt_cache as pc
+
+    args = llama.ModelArgs(model_type="llama", hidden_size=128, num_hidden_layers=3, intermediate_size=256,
+                           num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=64,
+                           rope_theta=10000.0)
+    model = llama.Model(args)
+    caches = pc.make_prompt_cache(model, kv_bits=3.5, window=4)
+    assert all(c.rotary is caches[0].rotary for c in caches) and caches[0].rotary is not None
+    assert mx.allclose(caches[0].rotary.theta, Rotary.of(model.layers[0].self_attn.rope).theta)
+    monkeypatch.setattr(pc, "on_gpu", lambda: True)
+    monkeypatch.setattr(pc, "backend", lambda: "cuda")
+    monkeypatch.setattr(pc, "mode", lambda: "auto")
+    assert all(c.rotary is None for c in pc.make_prompt_cache(model, kv_bits=3.5, window=4))
+
+
+def test_a_rotary_cache_saved_and_loaded_attends_the_same(tmp_path):
+    """The mean and the angles travel in the saved state; the loaded cache
+    shares the process's angle table and gives the same attention."""
+    from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
+
+    from turboquant.attention.reference import reference_attention
+    from turboquant.cache import TurboQuantKVCache
+    from turboquant.integration import install
+
+    install()  # registers the class with mlx-lm's loader
+    rope = nn.RoPE(64, base=100000.0)
+    k = rope(0.3 * mx.random.normal((1, 2, 200, 64), key=mx.random.key(1)) + 2 * mx.random.normal((1, 2, 1, 64), key=mx.random.key(2)))
+    v = mx.random.normal((1, 2, 200, 64), key=mx.random.key(3))
+    c = TurboQuantKVCache(kv_bits=3.5, window=8)
+    c.rotary = Rotary.of(rope).canonical()
+    c.update_and_fetch(k, v)
+    c.settle()
+    assert c.key_mean_pre is not None
+    save_prompt_cache(str(tmp_path / "c.safetensors"), [c])
+    (d,) = load_prompt_cache(str(tmp_path / "c.safetensors"))
+    assert d.rotary is c.rotary and mx.array_equal(d.key_mean_pre, c.key_mean_pre)
+    q = mx.random.normal((1, 4, 1, 64), key=mx.random.key(4))
+    a = reference_attention(q, c.window_keys, c.window_values, c, 0.125)
+    b = reference_attention(q, d.window_keys, d.window_values, d, 0.125)
+    assert mx.array_equal(a, b)
+
+
+def test_checkpoint_restore_brings_the_turned_mean_back():
+    from turboquant.cache import TurboQuantKVCache
+
+    rope = nn.RoPE(64, base=10000.0)
+    c = TurboQuantKVCache(kv_bits=3.5, window=4)
+    c.rotary = Rotary.of(rope)
+    mark = c.checkpoint()
+    c.update_and_fetch(*(mx.random.normal((1, 1, 20, 64), key=mx.random.key(i)) for i in (1, 2)))
+    c.settle()
+    assert c.key_mean_pre is not None
+    c.restore(mark)
+    assert c.key_mean_pre is None and c.key_mean is None
