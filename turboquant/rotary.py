@@ -98,6 +98,22 @@ class Rotary:
             self._table[:] = [held]
         return held
 
+    def turned(self, mean: mx.array, start: int, stop: int) -> mx.array:
+        """``R(p) mean`` [..., stop - start, D] for positions ``start..stop-1``
+        (mean [..., 1, D]), from the angle table."""
+        tab = self.table(stop)[start:stop]
+        h = self.dims // 2
+        c, s = tab[:, :h], tab[:, h:]
+        m1, m2, rest = self._halves(mean.astype(mx.float32))
+        a, b = m1 * c - m2 * s, m1 * s + m2 * c
+        if self.traditional:
+            head = mx.stack([a, b], axis=-1).reshape(*a.shape[:-1], self.dims)
+        else:
+            head = mx.concatenate([a, b], axis=-1)
+        if rest.shape[-1] == 0:
+            return head
+        return mx.concatenate([head, mx.broadcast_to(rest, (*head.shape[:-1], rest.shape[-1]))], axis=-1)
+
     def score_bias(self, q: mx.array, mean: mx.array, start: int, stop: int) -> mx.array:
         """``q . R(p) mean`` [..., M, stop - start] for positions ``start..stop-1``.
 

@@ -209,3 +209,46 @@ def test_checkpoint_restore_brings_the_turned_mean_back():
     assert c.key_mean_pre is not None
     c.restore(mark)
     assert c.key_mean_pre is None and c.key_mean is None
+
+
+@pytest.mark.parametrize("quantizer", ["scalar", "tcq"])
+def test_a_prefill_chunk_over_a_rotary_cache_adds_the_turned_mean_to_the_keys(quantizer):
+    """Many rows (a prefill chunk) take the turned mean added to the decoded
+    keys, not a per-row bias; the attention is the same: dense attention over
+    the reconstruction, causal mask over the chunk."""
+    from turboquant.attention.reference import reference_attention
+    from turboquant.cache import TurboQuantKVCache
+
+    rope = nn.RoPE(64, base=100000.0)
+    T, L = 400, 48
+    k = rope(0.3 * mx.random.normal((1, 2, T, 64), key=mx.random.key(1)) + 3 * mx.random.normal((1, 2, 1, 64), key=mx.random.key(2)))
+    v = mx.random.normal((1, 2, T, 64), key=mx.random.key(3))
+    c = TurboQuantKVCache(kv_bits=3.5, window=16, quantizer=quantizer)
+    c.rotary = Rotary.of(rope)
+    c.update_and_fetch(k[:, :, : T - L], v[:, :, : T - L])
+    c.settle()
+    wk, wv = c.update_and_fetch(k[:, :, T - L:], v[:, :, T - L:])
+    P, s = c.packed_len, c.sink_len
+    q = mx.random.normal((1, 4, L, 64), key=mx.random.key(4))
+    assert 2 * L > c.key_codec.dim  # rows per kv head beyond the slots: the added-keys form
+    out = reference_attention(q, wk, wv, c, 0.125, "causal")
+
+    kp = c.key_codec.dequantize(c.keys_packed[:, :, :P], c.keys_norms[:, :, :P]) + c.key_mean
+    kp = kp + c.rotary.rotate(mx.broadcast_to(c.key_mean_pre, kp.shape), mx.arange(s, s + P))
+    vp = c.value_codec.dequantize(c.values_packed[:, :, :P], c.values_norms[:, :, :P]) + c.value_mean
+    keys = mx.concatenate([wk[:, :, :s].astype(mx.float32), kp, wk[:, :, s:].astype(mx.float32)], axis=2)
+    values = mx.concatenate([wv[:, :, :s].astype(mx.float32), vp, wv[:, :, s:].astype(mx.float32)], axis=2)
+    n = keys.shape[2]
+    scores = (q.reshape(1, 2, 2, L, 64) @ keys[:, :, None].swapaxes(-1, -2)) * 0.125
+    allowed = mx.arange(n)[None, :] <= (n - L + mx.arange(L))[:, None]
+    scores = mx.where(allowed, scores, -mx.inf)
+    dense = (mx.softmax(scores, axis=-1) @ values[:, :, None]).reshape(1, 4, L, 64)
+    assert mx.allclose(out, dense, atol=1e-4)
+
+
+def test_turned_from_the_table_is_rotate():
+    for rope, D in ((nn.RoPE(64, base=1e5), 64), (nn.RoPE(64, traditional=True), 64), (nn.RoPE(32, scale=0.5), 64)):
+        r = Rotary.of(rope)
+        m = mx.random.normal((1, 2, 1, D), key=mx.random.key(7))
+        want = r.rotate(mx.broadcast_to(m, (1, 2, 200, D)), mx.arange(100, 300))
+        assert mx.allclose(r.turned(m, 100, 300), want, atol=1e-5)

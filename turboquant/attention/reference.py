@@ -55,25 +55,34 @@ def _block_step(kkey: tuple, vkey: tuple):
     """
     kdec, vdec = block_decoder(kkey), block_decoder(vkey)
     update = _update(kdec.offsets is not None, vdec.offsets is not None)
+    update_added = _update(kdec.offsets is not None, vdec.offsets is not None, keys_added=True)
     koff = kdec.offsets if kdec.offsets is not None else mx.array(0.0)
     voff = vdec.offsets if vdec.offsets is not None else mx.array(0.0)
 
-    def step(q_rot, kw, kn, vw, vn, m, s, acc, mask=None):
+    def step(q_rot, kw, kn, vw, vn, m, s, acc, mask=None, kadd=None):
+        if kadd is not None:  # [B, H_kv, T, slots] added to the keys (norms applied)
+            return update_added(q_rot, kdec.codes(kw), kn, vdec.codes(vw), vn, m, s, acc, koff, voff, mask, kadd)
         return update(q_rot, kdec.codes(kw), kn, vdec.codes(vw), vn, m, s, acc, koff, voff, mask)
 
     return step
 
 
 @lru_cache(maxsize=None)
-def _update(k_offsets: bool, v_offsets: bool):
+def _update(k_offsets: bool, v_offsets: bool, keys_added: bool = False):
     """The online-softmax update of one block from its decoded codes (compiled
-    per mask presence; MLX retraces per block shape)."""
+    per mask presence; MLX retraces per block shape).  ``keys_added``: the
+    keys are ``(c - off) * norm + kadd`` [.., T, slots], scaled before the
+    product (T·slots multiplies, where scaling the scores costs rows·T)."""
 
-    def update(q_rot, kc, kn, vc, vn, m, s, acc, koff, voff, mask=None):
-        raw = q_rot @ kc.swapaxes(-1, -2)
-        if k_offsets:  # q·(c - off) = q·c - q·off, one value per row
-            raw = raw - (q_rot @ koff)[..., None]
-        scores = raw * kn.astype(mx.float32)[:, :, None, :]
+    def update(q_rot, kc, kn, vc, vn, m, s, acc, koff, voff, mask=None, kadd=None):
+        if keys_added:
+            kc = kc - koff if k_offsets else kc
+            scores = q_rot @ (kc * kn.astype(mx.float32)[..., None] + kadd).swapaxes(-1, -2)
+        else:
+            raw = q_rot @ kc.swapaxes(-1, -2)
+            if k_offsets:  # q·(c - off) = q·c - q·off, one value per row
+                raw = raw - (q_rot @ koff)[..., None]
+            scores = raw * kn.astype(mx.float32)[:, :, None, :]
         if mask is not None:
             B, H, M, T = scores.shape
             L = mask.shape[-2]
@@ -108,6 +117,12 @@ def _packed_part(q_rot: mx.array, cache, packed_mask: Optional[mx.array], G: int
     s = mx.zeros((B, H_kv, M, 1), mx.float32)
     acc = mx.zeros((B, H_kv, M, vlay.slots), mx.float32)
     P = cache.packed_len
+    s0 = cache.sink_len
+    # Keys centred on R(p) mean_pre get it back per key: for a few rows (a
+    # decode step) as a score bias, q . R(p) mean (rows x T x D); for many (a
+    # prefill chunk) added to the decoded keys, turned and rotated per key
+    # (T x D log D), no [rows, T] bias.
+    added = q_plain is not None and M > klay.slots
     # one block holds codes [T, slots] and scores [M, T] per kv head
     block = max(64, min(BLOCK, BLOCK_ELEMENTS // (B * H_kv * max(klay.slots, vlay.slots, M))))
     step = _block_step(kkey, vkey)
@@ -118,15 +133,17 @@ def _packed_part(q_rot: mx.array, cache, packed_mask: Optional[mx.array], G: int
             cache.values_packed[:, :, a:e], cache.values_norms[:, :, a:e], m, s, acc,
         )
         blk_mask = None if packed_mask is None else packed_mask[..., a:e]
-        if q_plain is not None:  # keys centred on R(p) mean_pre: q . R(p) mean_pre back, per key
-            s0 = cache.sink_len
+        kadd = None
+        if added:
+            kadd = klay.to_slots(cache.rotation.forward(cache.rotary.turned(cache.key_mean_pre, s0 + a, s0 + e)))
+        elif q_plain is not None:
             bias = cache.rotary.score_bias(q_plain, cache.key_mean_pre, s0 + a, s0 + e)
             L_ = 1 if blk_mask is None else blk_mask.shape[-2]
             bias = bias.reshape(B, H_kv, M // L_, L_, e - a)
             if blk_mask is not None:
                 bias = mx.where(blk_mask, bias, NEG) if blk_mask.dtype == mx.bool_ else bias + blk_mask
             blk_mask = bias
-        m, s, acc = step(*args, blk_mask)
+        m, s, acc = step(*args, blk_mask, kadd)
         if e < P:
             # MLX would otherwise schedule every block's decode at once (the
             # blocks are independent until the merge): evaluating here keeps
