@@ -312,8 +312,7 @@ class TurboQuantKVCache(_BaseCache):
             self.value_mean = shrunk_mean(self.window_values[:, :, s:], axis=2)
         old_k = self.window_keys[:, :, s : s + excess].astype(mx.float32) - self.key_mean
         if self.rotary is not None:
-            old_k = old_k - self.rotary.rotate(mx.broadcast_to(self.key_mean_pre, old_k.shape),
-                                               mx.arange(p0, p0 + excess))
+            old_k = old_k - self.rotary.turned(self.key_mean_pre, p0, p0 + excess)
         old_v = self.window_values[:, :, s : s + excess].astype(mx.float32) - self.value_mean
         # The fused quantize kernel on a GPU, the codec (reference) elsewhere.
         k_packed, k_norms = launchers.quantize_any(old_k, self.key_codec)

@@ -170,8 +170,7 @@ def dequant_sdpa_attention(queries, window_keys, window_values, cache, scale, ma
     )
     if getattr(cache, "key_mean_pre", None) is not None:  # keys centred on R(p) mean_pre: add it back
         s0 = cache.sink_len
-        turned = cache.rotary.rotate(mx.broadcast_to(cache.key_mean_pre.astype(mx.float32), (B, H_kv, P, D)),
-                                     mx.arange(s0, s0 + P))
+        turned = cache.rotary.turned(cache.key_mean_pre, s0, s0 + P)
         k_hist = k_hist + cache.rotation.forward(turned).astype(dtype)
     keys = mx.concatenate([k_hist, cache.rotation.forward(window_keys).astype(dtype)], axis=2)
     values = mx.concatenate([v_hist, vrot.forward(window_values).astype(dtype)], axis=2)
