@@ -64,6 +64,7 @@ from .packing import packed_words
 from .rotation import HadamardRotation
 from .trellis import TrellisCodec
 from .policy import QUANTIZERS, SINK_TOKENS, KVQuantPolicy, parse_kv_policy
+from .rotary import Rotary
 
 # Saved-cache format: bump whenever what the saved arrays mean changes.
 # 2: 4-bit keys / 3-bit values at 3.5 (3 / 2 at 2.5) and attention sinks
@@ -429,10 +430,6 @@ class TurboQuantKVCache(_BaseCache):
         """The RoPE angles the keys were centred with (saved with the cache)."""
         return None if self.rotary is None else self.rotary.theta
 
-    @rotary_theta.setter
-    def rotary_theta(self, theta: Optional[mx.array]) -> None:
-        self._saved_theta = theta
-
     @property
     def state(self) -> tuple:
         """Ten array slots (None where empty) followed by the meta strings.
@@ -461,15 +458,16 @@ class TurboQuantKVCache(_BaseCache):
                 f"TurboQuantKVCache.state: expected {len(self._ARRAYS)} arrays "
                 f"(+ meta), got {len(v)} entries"
             )
+        theta = None
         for name, a in zip(self._ARRAYS, v):
             if a is not None and a.size == 0 and name not in ("window_keys", "window_values"):
                 a = None  # mlx-lm saves None as an empty array
-            setattr(self, name, a)
-        theta, meta = getattr(self, "_saved_theta", None), getattr(self, "_rotary_meta", None)
-        if theta is not None and meta is not None and meta[0]:
-            from .rotary import Rotary
-
-            self.rotary = Rotary(theta.astype(mx.float32), meta[0], meta[1]).canonical()
+            if name == "rotary_theta":  # the angles; with meta's dims, the cache's Rotary
+                theta = a
+            else:
+                setattr(self, name, a)
+        dims, traditional = getattr(self, "_rotary_meta", (0, False))
+        self.rotary = None if theta is None or not dims else Rotary(theta.astype(mx.float32), dims, traditional).canonical()
 
     @property
     def meta_state(self) -> tuple[str, ...]:

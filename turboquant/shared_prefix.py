@@ -149,8 +149,7 @@ def _turboquant_packed_partial(q: mx.array, doc) -> tuple[mx.array, mx.array]:
         lse, out_rot = lse_p[..., None], out_p
     else:  # reference (no GPU, a trellis codec, or rows the SIMT kernel does not take)
         R = q.shape[2]
-        m, s, acc = _packed_part(q_rot, doc, None, R, 1,
-                                 q_plain=q if getattr(doc, "key_mean_pre", None) is not None else None)
+        m, s, acc = _packed_part(q_rot, doc, None, R, 1, q)
         lse, out_rot = m + mx.log(s), acc / s
     if doc.key_mean is not None:
         lse = lse + q @ doc.key_mean.astype(mx.float32).swapaxes(-1, -2)

@@ -90,9 +90,9 @@ def test_document_read_once_for_all_rows(monkeypatch):
     seen = []
     real = tqa._packed_part
 
-    def spy(q_rot, cache, mask, g, l, **kwargs):
+    def spy(q_rot, cache, mask, g, l, q_plain):
         seen.append(q_rot.shape)
-        return real(q_rot, cache, mask, g, l, **kwargs)
+        return real(q_rot, cache, mask, g, l, q_plain)
 
     monkeypatch.setattr(tqa, "_packed_part", spy)
     rows = SharedPrefixCache(doc, [0, 0, 0, 0])

@@ -101,10 +101,10 @@ def _update(k_offsets: bool, v_offsets: bool, keys_added: bool = False):
 
 
 def _packed_part(q_rot: mx.array, cache, packed_mask: Optional[mx.array], G: int, L: int,
-                 q_plain: Optional[mx.array] = None):
+                 q_plain: mx.array):
     """Online softmax over packed history.  q_rot [B, H_kv, G*L, D] (scaled);
-    q_plain, the same queries unrotated, where keys are centred on a turned
-    mean (``cache.key_mean_pre``).
+    q_plain, the same queries unrotated (read where keys are centred on a
+    turned mean, ``cache.key_mean_pre``).
 
     Returns running max m, sum s [B, H_kv, G*L, 1] and the rotated-domain
     value accumulator [B, H_kv, G*L, Dv] (all float32).
@@ -122,7 +122,8 @@ def _packed_part(q_rot: mx.array, cache, packed_mask: Optional[mx.array], G: int
     # decode step) as a score bias, q . R(p) mean (rows x T x D); for many (a
     # prefill chunk) added to the decoded keys, turned and rotated per key
     # (T x D log D), no [rows, T] bias.
-    added = q_plain is not None and M > klay.slots
+    turned_mean = getattr(cache, "key_mean_pre", None) is not None
+    added = turned_mean and M > klay.slots
     # one block holds codes [T, slots] and scores [M, T] per kv head
     block = max(64, min(BLOCK, BLOCK_ELEMENTS // (B * H_kv * max(klay.slots, vlay.slots, M))))
     step = _block_step(kkey, vkey)
@@ -136,7 +137,7 @@ def _packed_part(q_rot: mx.array, cache, packed_mask: Optional[mx.array], G: int
         kadd = None
         if added:
             kadd = klay.to_slots(cache.rotation.forward(cache.rotary.turned(cache.key_mean_pre, s0 + a, s0 + e)))
-        elif q_plain is not None:
+        elif turned_mean:
             bias = cache.rotary.score_bias(q_plain, cache.key_mean_pre, s0 + a, s0 + e)
             L_ = 1 if blk_mask is None else blk_mask.shape[-2]
             bias = bias.reshape(B, H_kv, M // L_, L_, e - a)
@@ -196,8 +197,7 @@ def reference_attention(
     if P == 0:
         out = out_w / s_w
     else:
-        m_p, s_p, acc = _packed_part(cache.rotation.forward(q), cache, packed_mask, G, L,
-                                     q_plain=q if getattr(cache, "key_mean_pre", None) is not None else None)
+        m_p, s_p, acc = _packed_part(cache.rotation.forward(q), cache, packed_mask, G, L, q)
         # Centred keys lost q·mean_k, a per-row constant of the packed part
         # only; the window is uncentred, so put it back before merging.
         m_p = m_p + q @ cache.key_mean.swapaxes(-1, -2)
