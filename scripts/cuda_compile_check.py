@@ -126,10 +126,10 @@ CASES = [
      [("D", 128), ("BITS", 3), ("T", "float16")]),
     ("tq_dequant", ["uint32", "float16", "float32", "float32", "int32"], ["bfloat16"],
      [("D", 128), ("BITS", 3), ("T", "bfloat16")]),
-    ("tq_quantize", ["float16", "float32", "float32", "float32"], ["uint32", "float16"],
-     [("D", 128), ("BITS", 3), ("T", "float16")]),
-    ("tq_quantize", ["float32", "float32", "float32", "float32"], ["uint32", "float16"],
-     [("D", 64), ("BITS", 2), ("T", "float32")]),
+    ("tq_quantize", ["float16", "float32", "float32", "float32", "float32"], ["uint32", "float16"],
+     [("D", 128), ("BITS", 3), ("NA", 9), ("T", "float16")]),
+    ("tq_quantize", ["float32", "float32", "float32", "float32", "float32"], ["uint32", "float16"],
+     [("D", 64), ("BITS", 2), ("NA", 9), ("T", "float32")]),
 ]
 
 # launched with the launch shape compiled into the body, not as template

@@ -28,6 +28,11 @@ from .packing import pack, packed_words
 from .rotation import HadamardRotation
 
 _F16_MAX = 65504.0
+# Input scales tried per vector by the scalar quantizer (1.0 first: it wins
+# ties).  SmolLM2-135M, 3 passages, window 0: mean KL vs float32 0.0325 ->
+# 0.0276 at 3.5 bits, 0.0170 -> 0.0138 at 4, 0.169 -> 0.153 at 2.5 against
+# 1.0 alone; 0.9-1.1 alone gave 0.0304 at 3.5.
+SCALE_SEARCH = (1.0, 0.8, 0.85, 0.9, 0.95, 1.05, 1.1, 1.15, 1.2)
 
 
 class QuantizedVectors(NamedTuple):
@@ -48,6 +53,24 @@ def _index_fn(boundaries: list[float]):
         for b in boundaries[1:]:
             acc = acc + (u > b).astype(mx.uint8)
         return acc
+
+    return mx.compile(f, shapeless=True)
+
+
+def _search_fn(boundaries: list[float]):
+    """u [..., dim] -> (indices, ⟨u, ĉ⟩, ‖ĉ‖²) of the best scale in ``SCALE_SEARCH``, compiled."""
+    index = _index_fn(boundaries)
+    alphas = mx.array(SCALE_SEARCH, mx.float32)[:, None]
+
+    def f(u: mx.array, centroids: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+        idx = index(u[..., None, :] * alphas)  # [..., A, dim]
+        c = centroids[idx]
+        # ⟨u, ĉ⟩ and ‖ĉ‖² (> 0: no centroid is zero)
+        dot, c_sq = (u[..., None, :] * c).sum(axis=-1), (c * c).sum(axis=-1)
+        best = mx.argmax(dot * dot / c_sq, axis=-1, keepdims=True)
+        idx = mx.take_along_axis(idx, best[..., None], axis=-2).squeeze(-2)
+        return (idx, mx.take_along_axis(dot, best, axis=-1).squeeze(-1),
+                mx.take_along_axis(c_sq, best, axis=-1).squeeze(-1))
 
     return mx.compile(f, shapeless=True)
 
@@ -127,18 +150,24 @@ class TurboQuantCodec(PackedCodec):
         self._init_layout(dim, bits, rotation)
         self.codebook = codebook(bits, dim)
         self.centroids = self.codebook.centroids_mx()
-        self._index = _index_fn(list(self.codebook.boundaries))
+        self._search = _search_fn(list(self.codebook.boundaries))
 
     def __repr__(self) -> str:
         return f"TurboQuantCodec(dim={self.dim}, bits={self.bits})"
 
     def quantize_rotated(self, y: mx.array) -> QuantizedVectors:
-        """Quantize already-rotated vectors ``y`` [..., dim]."""
+        """Quantize already-rotated vectors ``y`` [..., dim].
+
+        The codebook fits the average coordinate spread of a random unit
+        direction; a real key or value is often more spread or more
+        concentrated.  So each vector takes the best of the indices of
+        ``α·u`` for every ``α`` in ``SCALE_SEARCH``: the codeword with the
+        least reconstruction error after its least-squares scale, i.e. the
+        largest ``⟨u, ĉ⟩² / ‖ĉ‖²`` (ties: the earliest ``α``).  The decoder is
+        unchanged; only the indices and the stored scale differ.
+        """
         norm, u = self._unit_direction(y)
-        idx = self._index(u)
-        c = self.centroids[idx]
-        # ⟨u, ĉ⟩ and ‖ĉ‖² (> 0: no centroid is zero)
-        dot, c_sq = (u * c).sum(axis=-1), (c * c).sum(axis=-1)
+        idx, dot, c_sq = self._search(u, self.centroids)
         return QuantizedVectors(pack(idx, self.bits), stored_scale(norm, dot, c_sq))
 
     @property

@@ -48,7 +48,10 @@ import mlx.core as mx
 from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
 FORMAT = "tqpipe-doc-cache"
-FORMAT_VERSION = 2  # 2: keyed by the reading, not the token ids; names start with the content hash
+# 2: keyed by the reading, not the token ids; names start with the content hash.
+# 3: the scalar quantizer searches a scale per vector: a fresh prefill no
+#    longer reproduces a version-2 entry bit for bit (which loading promises).
+FORMAT_VERSION = 3
 SUFFIX = ".safetensors"
 TEMP_MARK = ".tmp"  # temporary files: "." + name + TEMP_MARK + unique + SUFFIX
 _MAX_HEADER = 64 << 20

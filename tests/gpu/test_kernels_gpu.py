@@ -186,8 +186,10 @@ def test_dequant_matches_codec(bits, d):
 @pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("dtype", [mx.float32, mx.float16])
 def test_quantize_matches_codec(bits, d, dtype):
-    """Bit-identical except where rounding of the rotation moves a coordinate
-    across a boundary: such flips must be rare and only at boundaries."""
+    """Bit-identical except where float rounding decides: a coordinate at a
+    boundary, or two scales of the search that fit a vector equally well.
+    So rows may differ only rarely, and a row that differs must fit as well
+    as the reference's (its ⟨u, ĉ⟩² / ‖ĉ‖², what the search maximises)."""
     codec = TurboQuantCodec(d, bits, HadamardRotation(d, seed=7))
     mx.random.seed(bits * d)
     x = (mx.random.normal((3, 5, 64, d)) * 2.0).astype(dtype)
@@ -196,15 +198,18 @@ def test_quantize_matches_codec(bits, d, dtype):
     ref_p, ref_n = codec.quantize(x)
     assert packed.shape == ref_p.shape and packed.dtype == mx.uint32
     got, want = np.asarray(unpack(packed, bits, d)), np.asarray(unpack(ref_p, bits, d))
-    flips = got != want
-    assert flips.mean() < 1e-3
-    if flips.any():
-        y = np.asarray(codec.rotation.forward(x.astype(mx.float32)))
-        u = y / np.maximum(np.linalg.norm(y, axis=-1, keepdims=True), 1e-30)
-        b = np.asarray(codec.codebook.boundaries)
-        gap = np.abs(u[..., None] - b).min(-1)
-        assert gap[flips].max() < 1e-5
-    rows_same = ~flips.any(-1)
+    rows_differ = (got != want).any(-1)
+    assert rows_differ.mean() < 1e-2
+    y = np.asarray(codec.rotation.forward(x.astype(mx.float32)), np.float64)
+    u = y / np.maximum(np.linalg.norm(y, axis=-1, keepdims=True), 1e-30)
+    cents = np.asarray(codec.codebook.centroids, np.float64)
+
+    def fit(idx):
+        c = cents[idx]
+        return (u * c).sum(-1) ** 2 / (c * c).sum(-1)
+
+    assert np.all(fit(got) >= fit(want) * (1 - 1e-5) - 1e-9)
+    rows_same = ~rows_differ
     np.testing.assert_allclose(np.asarray(norms, np.float32)[rows_same], np.asarray(ref_n, np.float32)[rows_same],
                                rtol=1e-3)
 

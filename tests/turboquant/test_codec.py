@@ -21,9 +21,31 @@ def test_unit_vector_mse_near_lloyd_max(dim, bits):
     assert q.packed.dtype == mx.uint32 and q.packed.shape == (2000, packed_words(dim, bits))
     assert q.norms.dtype == mx.float16 and q.norms.shape == (2000,)
     err = float(((codec.dequantize(*q) - x) ** 2).sum(-1).mean())
-    # LSQ scaling can only lower the plain Lloyd-Max error (a few % at 1 bit).
+    # LSQ scaling and the per-vector scale search can only lower the plain
+    # Lloyd-Max error: a few % at 1-2 bits, up to ~23% at 4 bits and d=64.
     lm = codec.codebook.mse
-    assert 0.80 * lm < err < 1.03 * lm
+    assert 0.70 * lm < err < 1.03 * lm
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_scale_search_never_loses_to_the_plain_codebook(monkeypatch, bits):
+    """Every vector's error is at most what the indices of u itself give (the
+    first scale tried), and the mean is lower: on Gaussian directions by
+    ~2% at 2 bits to ~15% at 4 (d=128)."""
+    import turboquant.codec as codec_mod
+
+    rot = HadamardRotation(128, 5)
+    x = mx.random.normal((3000, 128), key=mx.random.key(bits)) * mx.exp(mx.random.normal((3000, 1)))
+
+    def errors(codec):
+        return np.array(((codec.dequantize(*codec.quantize(x)) - x) ** 2).sum(-1) / (x * x).sum(-1))
+
+    searched = errors(TurboQuantCodec(128, bits, rot))
+    assert codec_mod.SCALE_SEARCH[0] == 1.0 and len(codec_mod.SCALE_SEARCH) > 1
+    monkeypatch.setattr(codec_mod, "SCALE_SEARCH", (1.0,))
+    plain = errors(TurboQuantCodec(128, bits, rot))
+    assert np.all(searched <= plain * (1 + 1e-3) + 1e-7)
+    assert searched.mean() < (0.995 if bits == 2 else 0.97) * plain.mean()
 
 
 def test_scale_is_least_squares():
@@ -76,7 +98,7 @@ def test_mse_check_detects_a_broken_index():
     x = _unit(1000, 128)
     codec = TurboQuantCodec(128, 3)
     good = float(((codec.dequantize(*codec.quantize(x)) - x) ** 2).sum(-1).mean())
-    codec._index = lambda u: mx.zeros(u.shape, mx.uint8) + 3
+    codec._search = lambda u, c: (mx.zeros(u.shape, mx.uint8) + 3, (u * c[3]).sum(-1), c[3] * c[3] * u.shape[-1])
     bad = float(((codec.dequantize(*codec.quantize(x)) - x) ** 2).sum(-1).mean())
     assert good < 0.036 and bad > 10 * good
 

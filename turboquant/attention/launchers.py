@@ -9,10 +9,12 @@ benchmarks run a kernel directly); the launch shape from ``table``.
 from __future__ import annotations
 
 import math
+from functools import lru_cache
 from typing import Optional
 
 import mlx.core as mx
 
+from ..codec import SCALE_SEARCH
 from . import device, table
 from .pair_tables import codebook_arrays, f32, pair_table, tc8_tables
 from .params import meta, split_params, tc8_head
@@ -123,6 +125,12 @@ def supports_quantize(codec) -> bool:
     )
 
 
+@lru_cache(maxsize=1)
+def _scale_search() -> mx.array:
+    """The codec's per-vector input scales, float32 (one array for every launch)."""
+    return mx.array(SCALE_SEARCH, mx.float32)
+
+
 def quantize(x: mx.array, codec) -> tuple[mx.array, mx.array]:
     """``codec.quantize(x)`` in one kernel: (packed uint32 [..., words], norms float16 [...]).
 
@@ -137,8 +145,8 @@ def quantize(x: mx.array, codec) -> tuple[mx.array, mx.array]:
     bounds, cents = codebook_arrays(codec.bits, d)
     packed, norms = launch(
         "tq_quantize",
-        inputs=[x.reshape(m, d), f32(codec.rotation.signs), bounds, cents],
-        template=[("D", d), ("BITS", codec.bits), ("T", x.dtype)],
+        inputs=[x.reshape(m, d), f32(codec.rotation.signs), bounds, cents, _scale_search()],
+        template=[("D", d), ("BITS", codec.bits), ("NA", len(SCALE_SEARCH)), ("T", x.dtype)],
         grid=(m * d, 1, 1), threadgroup=(d, 1, 1),
         output_shapes=[(m, codec.words), (m,)], output_dtypes=[mx.uint32, mx.float16],
     )

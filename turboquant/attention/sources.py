@@ -47,7 +47,7 @@ KERNELS: dict[str, KernelSource] = {
     "tq_dequant": KernelSource(("tq_common.h",), ("tq_dequant.inc",),
                                ("packed", "norms", "cb", "mean", "meta"), ("out",)),
     "tq_quantize": KernelSource(("tq_common.h",), ("tq_quantize.inc",),
-                                ("x", "signs", "bounds", "cents"), ("packed", "norms")),
+                                ("x", "signs", "bounds", "cents", "alphas"), ("packed", "norms")),
     "tq_decode_tc": KernelSource(_TC, ("cuda/tq_decode_tc.inc",), _TC_INPUTS, ("po", "pm", "pl"),
                                  cuda_only=True),
     "tq_decode_tc8": KernelSource(_TC, _TC8_BODY, _TC_INPUTS, ("ws",), cuda_only=True),

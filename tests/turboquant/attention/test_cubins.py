@@ -51,13 +51,13 @@ def quantize_kernel(nvrtc, fallback=None):
     tools = cubins.Toolchain(nvrtc, ("/nowhere",), "sm_90")
     fallback = fallback or (lambda: pytest.fail("fell back to MLX's JIT"))
     return cubins.CubinKernel("tq_quantize", header, body,
-                              [("x", "float16"), ("signs", "float32"), ("bounds", "float32"), ("cents", "float32")],
+                              [("x", "float16"), ("signs", "float32"), ("bounds", "float32"), ("cents", "float32"), ("alphas", "float32")],
                               [("packed", "uint32"), ("norms", "float16")], tools, fallback)
 
 
 def launch_quantize(kernel, d=128, dtype=mx.float16):
     x = mx.zeros((4, d), dtype)
-    return kernel(inputs=[x, x, x, x], template=[("D", d), ("BITS", 3), ("T", dtype)],
+    return kernel(inputs=[x, x, x, x, x], template=[("D", d), ("BITS", 3), ("NA", 9), ("T", dtype)],
                   grid=(4 * d, 1, 1), threadgroup=(d, 1, 1), output_shapes=[(4, 12), (4,)],
                   output_dtypes=[mx.uint32, mx.float16])
 
@@ -148,7 +148,7 @@ def test_a_unit_that_does_not_compile_runs_on_mlx_jit(store, launches, caplog):
     launch_quantize(kernel)
     launch_quantize(kernel)
     assert launches == [] and len(jit_calls) == 2
-    assert jit_calls[0]["template"] == [("D", 128), ("BITS", 3), ("T", mx.float16)]
+    assert jit_calls[0]["template"] == [("D", 128), ("BITS", 3), ("NA", 9), ("T", mx.float16)]
     assert "did not compile" in caplog.text and "boom" in caplog.text
     assert not (store / "sm_90-nvrtc13.0").exists()
 
@@ -169,13 +169,14 @@ def test_the_cuda_backend_builds_cubin_kernels_where_the_toolchain_is_found(monk
     f16, f32 = mx.zeros((2,), mx.float16), mx.zeros((2,), mx.float32)
     with cuda_stand_in(monkeypatch, lambda name, **kw: RecordingKernel(name, log)):
         monkeypatch.setattr(cubins, "toolchain", lambda: tools)
-        k = sources.kernel_for("tq_quantize", "", [f16, f32, f32, f32], [mx.uint32, mx.float16])
+        k = sources.kernel_for("tq_quantize", "", [f16, f32, f32, f32, f32], [mx.uint32, mx.float16])
         assert isinstance(k, cubins.CubinKernel) and k.tools is tools
-        assert k.inputs == (("x", "float16"), ("signs", "float32"), ("bounds", "float32"), ("cents", "float32"))
+        assert k.inputs == (("x", "float16"), ("signs", "float32"), ("bounds", "float32"), ("cents", "float32"),
+                            ("alphas", "float32"))
         assert k.outputs == (("packed", "uint32"), ("norms", "float16"))
         sources.clear_cache()
         monkeypatch.setattr(cubins, "toolchain", lambda: None)
-        k = sources.kernel_for("tq_quantize", "", [f16, f32, f32, f32], [mx.uint32, mx.float16])
+        k = sources.kernel_for("tq_quantize", "", [f16, f32, f32, f32, f32], [mx.uint32, mx.float16])
         assert isinstance(k, RecordingKernel)  # MLX's JIT
 
 
@@ -192,7 +193,7 @@ def test_nvrtc_builds_a_cubin_that_exports_the_symbol(store, launches):
     nvrtc = cubins.Nvrtc.load(os.environ["NVRTC_LIB"])
     header, body = sources.mlx_source("tq_quantize", "cuda")
     kernel = cubins.CubinKernel("tq_quantize", header, body,
-                                [("x", "float16"), ("signs", "float32"), ("bounds", "float32"), ("cents", "float32")],
+                                [("x", "float16"), ("signs", "float32"), ("bounds", "float32"), ("cents", "float32"), ("alphas", "float32")],
                                 [("packed", "uint32"), ("norms", "float16")],
                                 cubins.Toolchain(nvrtc, tuple(includes), "sm_90"), lambda: pytest.fail("JIT"))
     launch_quantize(kernel)

@@ -114,10 +114,10 @@ def test_kernel_names_carry_the_dtypes(monkeypatch):
     log = []
     with cuda_stand_in(monkeypatch, lambda name, **kw: RecordingKernel(name, log)):
         f16, f32 = mx.zeros((2,), mx.float16), mx.zeros((2,), mx.float32)
-        a = sources.kernel_for("tq_quantize", "", [f16, f32, f32, f32], [mx.uint32, mx.float16])
-        b = sources.kernel_for("tq_quantize", "", [f32, f32, f32, f32], [mx.uint32, mx.float16])
-        c = sources.kernel_for("tq_quantize", "", [f16, f32, f32, f32], [mx.uint32, mx.float16])
-        d = sources.kernel_for("tq_quantize", "", [f16, f32, f32, f32], [mx.uint32, mx.float32])
+        a = sources.kernel_for("tq_quantize", "", [f16, f32, f32, f32, f32], [mx.uint32, mx.float16])
+        b = sources.kernel_for("tq_quantize", "", [f32, f32, f32, f32, f32], [mx.uint32, mx.float16])
+        c = sources.kernel_for("tq_quantize", "", [f16, f32, f32, f32, f32], [mx.uint32, mx.float16])
+        d = sources.kernel_for("tq_quantize", "", [f16, f32, f32, f32, f32], [mx.uint32, mx.float32])
     assert a is c and len({a.name, b.name, d.name}) == 3
     assert all(k.name.startswith("tq_quantize_") for k in (a, b, d))
 
