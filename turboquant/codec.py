@@ -24,6 +24,7 @@ from typing import NamedTuple
 import mlx.core as mx
 
 from .codebooks import codebook
+from .lookup import select_tree
 from .packing import pack, packed_words
 from .rotation import HadamardRotation
 
@@ -57,22 +58,36 @@ def _index_fn(boundaries: list[float]):
     return mx.compile(f, shapeless=True)
 
 
-def _search_fn(boundaries: list[float]):
-    """u [..., dim] -> (indices, ⟨u, ĉ⟩, ‖ĉ‖²) of the best scale in ``SCALE_SEARCH``, compiled."""
-    index = _index_fn(boundaries)
-    alphas = mx.array(SCALE_SEARCH, mx.float32)[:, None]
+def _search_fn(boundaries: list[float], centroids: list[float], bits: int):
+    """u [..., dim] -> (indices, ⟨u, ĉ⟩, ‖ĉ‖²) of the best scale in ``SCALE_SEARCH``.
 
-    def f(u: mx.array, centroids: mx.array) -> tuple[mx.array, mx.array, mx.array]:
-        idx = index(u[..., None, :] * alphas)  # [..., A, dim]
-        c = centroids[idx]
+    The scores of all scales come from one compiled pass (compares, then a
+    select tree for ĉ: on CPU ~1.4x faster than a gather), then the winner's
+    indices are computed again from ``α·u`` (the same float products, so the
+    same indices) instead of gathered from the [..., A, dim] candidates.
+    """
+    index = _index_fn(boundaries)
+    alphas = mx.array(SCALE_SEARCH, mx.float32)
+
+    def scores(u: mx.array) -> tuple[mx.array, mx.array]:
+        v = u[..., None, :] * alphas[:, None]  # [..., A, dim]
+        idx = (v > boundaries[0]).astype(mx.uint8)
+        for b in boundaries[1:]:
+            idx = idx + (v > b).astype(mx.uint8)
+        c = select_tree(idx, centroids, bits)
         # ⟨u, ĉ⟩ and ‖ĉ‖² (> 0: no centroid is zero)
-        dot, c_sq = (u[..., None, :] * c).sum(axis=-1), (c * c).sum(axis=-1)
+        return (u[..., None, :] * c).sum(axis=-1), (c * c).sum(axis=-1)
+
+    scores = mx.compile(scores, shapeless=True)
+
+    def search(u: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+        dot, c_sq = scores(u)
         best = mx.argmax(dot * dot / c_sq, axis=-1, keepdims=True)
-        idx = mx.take_along_axis(idx, best[..., None], axis=-2).squeeze(-2)
+        idx = index(u * alphas[best])
         return (idx, mx.take_along_axis(dot, best, axis=-1).squeeze(-1),
                 mx.take_along_axis(c_sq, best, axis=-1).squeeze(-1))
 
-    return mx.compile(f, shapeless=True)
+    return search
 
 
 def stored_scale(norm: mx.array, dot: mx.array, c_sq: mx.array) -> mx.array:
@@ -150,7 +165,7 @@ class TurboQuantCodec(PackedCodec):
         self._init_layout(dim, bits, rotation)
         self.codebook = codebook(bits, dim)
         self.centroids = self.codebook.centroids_mx()
-        self._search = _search_fn(list(self.codebook.boundaries))
+        self._search = _search_fn(list(self.codebook.boundaries), [float(c) for c in self.codebook.centroids], bits)
 
     def __repr__(self) -> str:
         return f"TurboQuantCodec(dim={self.dim}, bits={self.bits})"
@@ -167,7 +182,7 @@ class TurboQuantCodec(PackedCodec):
         unchanged; only the indices and the stored scale differ.
         """
         norm, u = self._unit_direction(y)
-        idx, dot, c_sq = self._search(u, self.centroids)
+        idx, dot, c_sq = self._search(u)
         return QuantizedVectors(pack(idx, self.bits), stored_scale(norm, dot, c_sq))
 
     @property
