@@ -136,3 +136,22 @@ def test_cuda_sources_compile_with_nvrtc():
         # on the stack (the same SASS as before the kernels were regrouped)
         capped_4_4 = dict(tmpl).get("MINB") and dict(tmpl)["BK"] == dict(tmpl)["BV"] == 4
         assert capped_4_4 or "0 bytes spill stores" in log, log
+
+
+def test_the_quantize_kernel_gets_the_codecs_scale_search(monkeypatch):
+    """The kernel searches the scales the reference codec searches: the
+    launch passes ``codec.SCALE_SEARCH`` itself and its length as NA."""
+    from packed_fixtures import RecordingKernel, cuda_stand_in
+
+    from turboquant.attention import cubins, launchers
+    from turboquant.codec import SCALE_SEARCH, TurboQuantCodec
+    from turboquant.rotation import HadamardRotation
+
+    log = []
+    monkeypatch.setattr(cubins, "toolchain", lambda: None)  # MLX's JIT path: the stand-in records it
+    with cuda_stand_in(monkeypatch, lambda name, **kw: RecordingKernel(name, log)):
+        launchers.quantize(mx.zeros((3, 64), mx.float16), TurboQuantCodec(64, 3, HadamardRotation(64, 1)))
+    (name, kw), = log
+    assert name.startswith("tq_quantize")
+    assert ("NA", len(SCALE_SEARCH)) in kw["template"] and len(SCALE_SEARCH) > 1
+    assert kw["inputs"][-1].tolist() == pytest.approx(list(SCALE_SEARCH))
