@@ -1,7 +1,8 @@
 """TurboQuant-MSE codec: rotate, normalise, scalar-quantize, pack.
 
 A vector ``x`` is stored as ``b``-bit Lloyd-Max indices of its rotated unit
-direction ``u = R x / ‖x‖`` plus one float16 scale.  Decoding in the rotated
+direction ``u = R x / ‖x‖`` (those of ``α·u`` for the vector's best ``α`` in
+``SCALE_SEARCH``) plus one float16 scale.  Decoding in the rotated
 domain is ``scale * centroids[idx]``; attention can stay there because ``R``
 is orthonormal (rotate the query once instead of every key).
 
@@ -41,44 +42,37 @@ class QuantizedVectors(NamedTuple):
     norms: mx.array  # float16 [...]
 
 
-def _index_fn(boundaries: list[float]):
-    """Cell index = number of boundaries below u: a fused chain of compares.
+def _cells(u: mx.array, boundaries: list[float]) -> mx.array:
+    """Cell index = number of boundaries below ``u``: a chain of compares,
+    fused where it is compiled.
 
     Measured on 16M coordinates (2 CPU cores): 0.08 s compiled vs 0.42 s for
     ``(u[..., None] > b).sum(-1)`` (a 15x temporary) and 1.2 s for a
     gather-based binary search.
     """
-
-    def f(u: mx.array) -> mx.array:
-        acc = (u > boundaries[0]).astype(mx.uint8)
-        for b in boundaries[1:]:
-            acc = acc + (u > b).astype(mx.uint8)
-        return acc
-
-    return mx.compile(f, shapeless=True)
+    acc = (u > boundaries[0]).astype(mx.uint8)
+    for b in boundaries[1:]:
+        acc = acc + (u > b).astype(mx.uint8)
+    return acc
 
 
 def _search_fn(boundaries: list[float], centroids: list[float], bits: int):
     """u [..., dim] -> (indices, ⟨u, ĉ⟩, ‖ĉ‖²) of the best scale in ``SCALE_SEARCH``.
 
-    The scores of all scales come from one compiled pass (compares, then a
+    The scores of all scales come from one compiled pass (cells, then a
     select tree for ĉ: on CPU ~1.4x faster than a gather), then the winner's
     indices are computed again from ``α·u`` (the same float products, so the
     same indices) instead of gathered from the [..., A, dim] candidates.
     """
-    index = _index_fn(boundaries)
     alphas = mx.array(SCALE_SEARCH, mx.float32)
 
     def scores(u: mx.array) -> tuple[mx.array, mx.array]:
-        v = u[..., None, :] * alphas[:, None]  # [..., A, dim]
-        idx = (v > boundaries[0]).astype(mx.uint8)
-        for b in boundaries[1:]:
-            idx = idx + (v > b).astype(mx.uint8)
-        c = select_tree(idx, centroids, bits)
+        c = select_tree(_cells(u[..., None, :] * alphas[:, None], boundaries), centroids, bits)  # [..., A, dim]
         # ⟨u, ĉ⟩ and ‖ĉ‖² (> 0: no centroid is zero)
         return (u[..., None, :] * c).sum(axis=-1), (c * c).sum(axis=-1)
 
     scores = mx.compile(scores, shapeless=True)
+    index = mx.compile(lambda v: _cells(v, boundaries), shapeless=True)
 
     def search(u: mx.array) -> tuple[mx.array, mx.array, mx.array]:
         dot, c_sq = scores(u)
