@@ -46,12 +46,17 @@ def store(tmp_path, monkeypatch):
     return tmp_path / "kernels"
 
 
+# tq_quantize's buffers as the CUDA backend types them
+QUANTIZE_INPUTS = [("x", "float16"), ("signs", "float32"), ("bounds", "float32"), ("cents", "float32"),
+                   ("alphas", "float32")]
+
+
 def quantize_kernel(nvrtc, fallback=None):
     header, body = sources.mlx_source("tq_quantize", "cuda")
     tools = cubins.Toolchain(nvrtc, ("/nowhere",), "sm_90")
     fallback = fallback or (lambda: pytest.fail("fell back to MLX's JIT"))
     return cubins.CubinKernel("tq_quantize", header, body,
-                              [("x", "float16"), ("signs", "float32"), ("bounds", "float32"), ("cents", "float32"), ("alphas", "float32")],
+                              QUANTIZE_INPUTS,
                               [("packed", "uint32"), ("norms", "float16")], tools, fallback)
 
 
@@ -193,7 +198,7 @@ def test_nvrtc_builds_a_cubin_that_exports_the_symbol(store, launches):
     nvrtc = cubins.Nvrtc.load(os.environ["NVRTC_LIB"])
     header, body = sources.mlx_source("tq_quantize", "cuda")
     kernel = cubins.CubinKernel("tq_quantize", header, body,
-                                [("x", "float16"), ("signs", "float32"), ("bounds", "float32"), ("cents", "float32"), ("alphas", "float32")],
+                                QUANTIZE_INPUTS,
                                 [("packed", "uint32"), ("norms", "float16")],
                                 cubins.Toolchain(nvrtc, tuple(includes), "sm_90"), lambda: pytest.fail("JIT"))
     launch_quantize(kernel)
