@@ -65,10 +65,11 @@ the small mismatch); ``scripts/gen_trellis.py`` regenerates
 ``trellis_tables.py`` and picked the tap mask (0xe5: the lowest MSE at b=2
 among the 64 odd masks with the top bit set; most masks were within 1%).
 
-Costs: quantizing is a Viterbi search, ~0.17 ms per vector of d=128 on this
-2-core CPU (~65-90x the scalar codec); decoding is ~2x the scalar codec's on
-CPU (``turboquant.decode``: parity and sign-magnitude codes on the packed
-words, one 2^b-leaf select tree, a sign).  The GPU kernels do not
+Costs: quantizing is a Viterbi search (NumPy on the host: d dependent steps
+of small array ops), ~0.25 ms per vector of d=128 in bulk on this 2-core CPU
+and ~3 ms for a decode step's 9 vectors of d=64; decoding is ~2x the scalar
+codec's on CPU (``turboquant.decode``: parity and sign-magnitude codes on the
+packed words, one 2^b-leaf select tree, a sign).  The GPU kernels do not
 implement it.
 """
 
@@ -137,37 +138,18 @@ def _subset_fn(n_levels: int):
 
 
 @lru_cache(maxsize=None)
-def _step_fn(taps: int, nu: int):
-    """One Viterbi step: (J [N, S], D [N, 2(p), 2(b)]) -> (J', bp [N, S] bool).
+def _trellis_arrays(taps: int, nu: int) -> np.ndarray:
+    """p(r) for the x = 0 half of the states (bool [S/2]).
 
-    State s' = 2r + b has predecessors x*S/2 + r (x = 0, 1); the branch
-    costs D[p(pred), b]; bp records x (the bit that leaves the register).
-    The tap mask includes the oldest bit, so p(x*S/2 + r) = x XOR p(r): the
-    cost of each half is one select between two per-row scalars over a
-    constant [S/2] mask, and the halves never need a 4-D broadcast
-    (measured 1.35-1.4x faster than selecting over [N, 2, S/2, 2]).
+    State s' = 2r + b has predecessors x*S/2 + r (x = 0, 1).  The tap mask
+    includes the oldest bit, so p(x*S/2 + r) = x XOR p(r): each half's branch
+    cost is one select between two per-row scalars over this constant mask.
     """
-    S = 1 << nu
-    H = S // 2
+    H = (1 << nu) // 2
     par = parity_table(taps, nu)
     if not np.array_equal(par[H:], par[:H] ^ 1):
         raise ValueError(f"viterbi: tap mask {taps:#x} must include the oldest state bit")
-    q = mx.array(par[:H].astype(bool))  # p(r) for the x = 0 half
-
-    def step(J, D):
-        N = J.shape[0]
-        J0, J1 = J[:, :H], J[:, H:]
-        best, back = [], []
-        for b in (0, 1):
-            d0, d1 = D[:, 0, b : b + 1], D[:, 1, b : b + 1]  # [N, 1]
-            c0 = J0 + mx.where(q, d1, d0)  # x = 0: parity p(r)
-            c1 = J1 + mx.where(q, d0, d1)  # x = 1: parity 1 - p(r)
-            best.append(mx.minimum(c0, c1))
-            back.append(c1 < c0)
-        # s' = 2r + b: interleave the two branch bits
-        return mx.stack(best, axis=-1).reshape(N, S), mx.stack(back, axis=-1).reshape(N, S)
-
-    return mx.compile(step)  # shape-specialised: reshapes use N
+    return par[:H].astype(bool)
 
 
 _BIT = None
@@ -207,6 +189,42 @@ def parity_bits(branch: mx.array, taps: int) -> mx.array:
     return p.reshape(*lead, nw * 32)[..., :d]
 
 
+def _search(dist: np.ndarray, taps: int, nu: int) -> np.ndarray:
+    """The add-compare-select recursion and the traceback: branch bits
+    (uint32 [N, d]) of the least-cost path from the zero state, given the
+    per-coordinate costs ``dist`` [N, d, 2(p), 2(b)].
+
+    In NumPy: the recursion is d dependent steps of a few small array ops,
+    and at a decode step's size MLX's per-op dispatch costs several times
+    the work (9 vectors of d=64: 7-9 ms with MLX ops, 3 ms here, 2-core
+    CPU); in bulk the two are level (4,096 vectors of d=128: ~1 s each).
+    """
+    N, d = dist.shape[:2]
+    S = 1 << nu
+    H = S // 2
+    q = _trellis_arrays(taps, nu)
+    J = np.full((N, S), 1e30, np.float32)
+    J[:, 0] = 0.0  # zero start state
+    nxt = np.empty_like(J)
+    back = np.empty((d, N, S), bool)  # x of the best predecessor of each state
+    for i in range(d):
+        J0, J1 = J[:, :H], J[:, H:]
+        for b in (0, 1):
+            d0, d1 = dist[:, i, 0, b : b + 1], dist[:, i, 1, b : b + 1]  # [N, 1]
+            c0 = J0 + np.where(q, d1, d0)  # x = 0: parity p(r)
+            c1 = J1 + np.where(q, d0, d1)  # x = 1: parity 1 - p(r)
+            np.minimum(c0, c1, out=nxt[:, b::2])  # s' = 2r + b
+            np.less(c1, c0, out=back[i][:, b::2])
+        J, nxt = nxt, J
+    s = J.argmin(axis=-1).astype(np.uint32)
+    rows = np.arange(N)
+    branch = np.empty((N, d), np.uint32)
+    for i in range(d - 1, -1, -1):
+        branch[:, i] = s & 1
+        s = (s >> 1) | (back[i, rows, s].astype(np.uint32) << (nu - 1))
+    return branch
+
+
 def viterbi(u: mx.array, levels, taps: int, nu: int, offsets=None) -> mx.array:
     """Best index sequence (uint32 [N, d]) of rows ``u`` [N, d] for the union
     codebook ``levels`` (2^(k+1), ascending) under the trellis (taps, nu).
@@ -225,24 +243,7 @@ def viterbi(u: mx.array, levels, taps: int, nu: int, offsets=None) -> mx.array:
         )
     C = mx.array(np.asarray(levels, dtype=np.float32))
     dist, wsub = _subset_fn(C.size)(u.astype(mx.float32), C)  # [N, d, 2, 2]
-    step = _step_fn(taps, nu)
-    J = mx.full((N, S), 1e30, mx.float32)
-    J[:, 0] = 0.0  # zero start state
-    bps = []
-    for i in range(d):
-        J, bp = step(J, dist[:, i])
-        bps.append(bp)
-        if i % 32 == 31:
-            mx.eval(J, bps)
-    s = mx.argmin(J, axis=-1).astype(mx.uint32)
-    mx.eval(s, bps)
-    branch = [None] * d
-    top = nu - 1
-    for i in range(d - 1, -1, -1):
-        branch[i] = s & 1
-        x = mx.take_along_axis(bps[i], s[:, None], axis=-1)[:, 0].astype(mx.uint32)
-        s = (s >> 1) | (x << top)
-    b = mx.stack(branch, axis=-1)  # [N, d]
+    b = mx.array(_search(np.array(dist), taps, nu))  # [N, d]
     p = parity_bits(b, taps)
     w = mx.where(
         p.astype(mx.bool_),
