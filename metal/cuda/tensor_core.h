@@ -27,6 +27,33 @@ __device__ __forceinline__ unsigned int tq_lds(const unsigned int* smem_array, u
 __device__ __forceinline__ unsigned int tq_funnel(unsigned int lo, unsigned int hi, int sh) {
   return __funnelshift_r(lo, hi, sh);
 }
+// A token's packed row split across `lanes` lanes, lane i owning stream bits
+// [i * bits, (i + 1) * bits): the words a lane loads to hold its bits (the
+// most over the lanes; e.g. 48 bits at offsets 0 or 16 fit 2 words, not 3),
+// and whether every lane's loads stay inside the row of `row_words` words.
+__host__ __device__ constexpr int tq_lane_words(int bits, int lanes) {
+  int most = 0;
+  for (int i = 0; i < lanes; ++i) {
+    const int w = ((i * bits) % 32 + bits + 31) / 32;
+    most = w > most ? w : most;
+  }
+  return most;
+}
+__host__ __device__ constexpr bool tq_lane_words_in_row(int bits, int lanes, int row_words) {
+  for (int i = 0; i < lanes; ++i)
+    if ((i * bits) / 32 + tq_lane_words(bits, lanes) > row_words) return false;
+  return true;
+}
+// 3-bit codes of two tokens, a (low) and b (high), as 24-bit runs of 8 dims:
+// the pair-table indices (a | b << 3) of the even dims land in the 6-bit
+// fields of x, those of the odd dims in the fields of y (field i: dims 2i,
+// 2i + 1 of the run) -- four instructions for four pairs, where extracting
+// each code costs two and the merge one more.  Bits above 24 are cleared.
+__device__ __forceinline__ void tq_pairs3(unsigned int a, unsigned int b, unsigned int& x, unsigned int& y) {
+  constexpr unsigned int EVEN = 0x1C71C7u, ODD = EVEN << 3;
+  x = (a & EVEN) | ((b << 3) & ODD);
+  y = ((a >> 3) & EVEN) | (b & ODD);
+}
 // `width` bits at stream bit `bit` of a lane's aligned words (bit and width
 // are compile-time after unrolling, so the array stays in registers).
 template <int N>
