@@ -101,7 +101,7 @@ CASES = [
     ("tq_decode_tc", _TC_INS, ["float32"] * 3, [("D", 128), ("BK", 3), ("BV", 4), ("GL", 16), ("NW", 4)]),
     ("tq_decode_tc", _TC_INS, ["float32"] * 3, [("D", 128), ("BK", 2), ("BV", 3), ("GL", 8), ("NW", 4)]),
     ("tq_decode_tc", _TC_INS, ["float32"] * 3, [("D", 64), ("BK", 3), ("BV", 3), ("GL", 1), ("NW", 4)]),
-    ("tq_decode_tc8", _TC_INS, ["float32"], [("D", 128), ("BK", 4), ("BV", 3), ("NW", 4)]),
+    ("tq_decode_tc8", _TC_INS, ["float32"], [("D", 128), ("BK", 4), ("BV", 3), ("NW", 8), ("MINB", 2)]),
     ("tq_decode_tc8", _TC_INS, ["float32"], [("D", 128), ("BK", 3), ("BV", 2), ("NW", 8), ("MINB", 2)]),
     # task rows over one document (shared_prefix): rows x group per kv head,
     # e.g. 3 tasks x 4 (8B shape) = 12, 4 x 4 = 16 rows on d=128 and d=64 (1B)
@@ -110,15 +110,15 @@ CASES = [
     ("tq_decode_tc", _TC_INS, ["float32"] * 3, [("D", 64), ("BK", 3), ("BV", 4), ("GL", 16), ("NW", 4)]),
     ("tq_decode_tc8", _TC_INS, ["float32"], [("D", 128), ("BK", 3), ("BV", 4), ("NW", 8), ("MINB", 2)]),
     ("tq_decode_tc8", _TC_INS, ["float32"], [("D", 128), ("BK", 4), ("BV", 4), ("NW", 8), ("MINB", 2)]),
-    ("tq_decode_tc8", _TC_INS, ["float32"], [("D", 64), ("BK", 2), ("BV", 3), ("NW", 4)]),
+    ("tq_decode_tc8", _TC_INS, ["float32"], [("D", 64), ("BK", 2), ("BV", 3), ("NW", 8), ("MINB", 2)]),
     ("tq_decode_tc8_fused", _fused_ins("float16"), ["float32", "float16"],  # the default step (3.5)
-     [("D", 128), ("BK", 4), ("BV", 3), ("NW", 4)]),
+     [("D", 128), ("BK", 4), ("BV", 3), ("NW", 8), ("MINB", 2)]),
     ("tq_decode_tc8_fused", _fused_ins("bfloat16"), ["float32", "bfloat16"],  # 2.5
      [("D", 64), ("BK", 3), ("BV", 2), ("NW", 8), ("MINB", 2)]),
     ("tq_decode_tc8_fused", _fused_ins("float16"), ["float32", "float16"],
      [("D", 128), ("BK", 3), ("BV", 4), ("NW", 8), ("MINB", 2)]),
     ("tq_decode_tc8_fused", _fused_ins("bfloat16"), ["float32", "bfloat16"],
-     [("D", 64), ("BK", 2), ("BV", 3), ("NW", 4)]),
+     [("D", 64), ("BK", 2), ("BV", 3), ("NW", 8), ("MINB", 2)]),
     ("tq_decode_tc8_fused", _fused_ins("float32"), ["float32", "float32"],
      [("D", 128), ("BK", 4), ("BV", 4), ("NW", 8), ("MINB", 2)]),
     ("tq_decode_reduce", ["float32", "float32", "float32", "int32"], ["float32"] * 2, [("D", 128)]),

@@ -187,9 +187,13 @@ def test_dequant_matches_codec(bits, d):
 @pytest.mark.parametrize("dtype", [mx.float32, mx.float16])
 def test_quantize_matches_codec(bits, d, dtype):
     """Bit-identical except where float rounding decides: a coordinate at a
-    boundary, or two scales of the search that fit a vector equally well.
-    So rows may differ only rarely, and a row that differs must fit as well
-    as the reference's (its ⟨u, ĉ⟩² / ‖ĉ‖², what the search maximises)."""
+    cell boundary, or two scales of the search that fit a vector equally
+    well.  So rows may differ only rarely, and a row that differs must fit
+    about as well as the reference's (⟨u, ĉ⟩² / ‖ĉ‖², what the search
+    maximises).  "About": one coordinate moved across a boundary changes the
+    fit by ~2tΔ/‖ĉ‖² · |‖ĉ‖²/(α⟨u, ĉ⟩) - 1| (t the boundary, Δ the cell
+    width), up to ~1e-3 at these widths (float16 inputs round the rotated
+    coordinates differently on the two sides)."""
     codec = TurboQuantCodec(d, bits, HadamardRotation(d, seed=7))
     mx.random.seed(bits * d)
     x = (mx.random.normal((3, 5, 64, d)) * 2.0).astype(dtype)
@@ -208,7 +212,7 @@ def test_quantize_matches_codec(bits, d, dtype):
         c = cents[idx]
         return (u * c).sum(-1) ** 2 / (c * c).sum(-1)
 
-    assert np.all(fit(got) >= fit(want) * (1 - 1e-5) - 1e-9)
+    assert np.all(fit(got) >= fit(want) * (1 - 2e-3) - 1e-9)
     rows_same = ~rows_differ
     np.testing.assert_allclose(np.asarray(norms, np.float32)[rows_same], np.asarray(ref_n, np.float32)[rows_same],
                                rtol=1e-3)

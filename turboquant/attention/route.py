@@ -150,6 +150,6 @@ def choose(c: Call, backend: Optional[str], mode: str) -> Route:
             return Route.REFERENCE
         return Route.DEQUANT_SDPA
     if (kernel is Route.TC8 and not c.window_mask and c.hadamard and c.value_dim == D
-            and 1 <= c.window <= table.fused_max_window(D, rows, c.value_bits)):
+            and 1 <= c.window <= table.fused_max_window(D, rows)):
         return Route.FUSED_STEP
     return kernel

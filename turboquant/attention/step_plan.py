@@ -58,7 +58,7 @@ class StepPlan:
         vrot = value_rotation(cache)
         self.tables = tc8_tables(centroids(kc), kc.bits, centroids(vc), vc.bits, cfg)
         self.signs, self.vsigns = cache.rotation.signs, vrot.signs
-        self.max_w, self.bh = table.fused_max_window(D, R, vc.bits, cfg["NW"]), B * H_kv
+        self.max_w, self.bh = table.fused_max_window(D, R, cfg["NW"]), B * H_kv
         self.grid_yz, self.tg = (H_kv, B), (cfg["NW"] * 32, 1, 1)
         self.out_shape, self.out_dtype = (B, H_q, L, D), queries.dtype
         self.scale_bits = float_bits(scale)

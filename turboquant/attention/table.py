@@ -37,10 +37,13 @@ TC_LONG_TOKENS = 1 << 18
 
 # -- tq_decode_tc8 / tq_decode_tc8_fused (tensor cores, <= 8 rows: decode)
 TC8_BLOCKS = 264  # threadgroups: 2 resident per SM, one wave
-# 8 warps: chained decode steps are latency bound, and 16 warps per SM hide
-# more of it.  3-bit values need ~168 registers: 4 warps, no register cap.
+# 8 warps under a 128-register cap (2 resident threadgroups): chained decode
+# steps are latency bound, and 16 warps per SM hide more of it.  With 4-bit
+# keys and 3-bit values the cap leaves ~100 bytes of spills per thread and is
+# still the fastest launch (H100, 128k tokens, 32 dependent steps per token:
+# 0.069 ms per step against 0.075 ms for 4 warps uncapped and 0.073 ms for 4
+# warps in 396 threadgroups).
 TC8_WARPS = 8
-TC8_WARPS_3BIT_VALUES = 4
 TC8_COUNTER_WORDS = 32  # per (batch, kv head): a 128-byte line (CNT_WORDS in tq_decode_tc8.inc)
 # Counter sets a step plan uses in turn (the kernel leaves each at zero, so
 # no zero-fill node per step); a launch takes the output of the launch
@@ -86,10 +89,6 @@ def tc_config(d: int, rows: int, b_hkv: int, n: int, blocks: Optional[int] = Non
     return {"GL": gl, "RT": rt, "NW": nw, "TOKS": toks, "S": -(-n // toks)}
 
 
-def tc8_warps(value_bits: int) -> int:
-    return TC8_WARPS_3BIT_VALUES if value_bits == 3 else TC8_WARPS
-
-
 def tc8_value_copies(key_bits: int, value_bits: int) -> int:
     """Copies of the value pair table: the 256-entry (4-bit) table in 32
     copies (no 2-way bank conflicts) while both tables fit 48 KB, else 16;
@@ -97,18 +96,18 @@ def tc8_value_copies(key_bits: int, value_bits: int) -> int:
     return 16 if value_bits == 4 and key_bits > 3 else 32
 
 
-def fused_max_window(d: int, rows: int, value_bits: int, warps: Optional[int] = None) -> int:
+def fused_max_window(d: int, rows: int, warps: Optional[int] = None) -> int:
     """Longest exact window the fused step takes: the window's scores share
     the kernel's reduction area, ``R * (D + W) + 24 <= NW * 8 * (D + 2)`` words."""
-    return max(0, ((warps or tc8_warps(value_bits)) * 8 * (d + 2) - 24) // rows - d)
+    return max(0, ((warps or TC8_WARPS) * 8 * (d + 2) - 24) // rows - d)
 
 
 def tc8_config(d: int, rows: int, b_hkv: int, n: int, key_bits: int = 3, value_bits: int = 4,
                window: bool = False, blocks: int = TC8_BLOCKS, warps: Optional[int] = None) -> dict:
     """Launch shape of the tc8 kernel and its workspace layout.
 
-    128 registers (``MINB`` = 2 resident threadgroups of 8 warps) except for
-    3-bit values, which run uncapped.  The split count sizes the grid;
+    128 registers (``MINB`` = 2 resident threadgroups of 8 warps).  The
+    split count sizes the grid;
     warps draw 32-token chunks of their head from a counter.  Every split
     writes a partial state and the last of its (batch, kv head) merges
     them, so the workspace holds counters (a line per head), the output
@@ -121,7 +120,7 @@ def tc8_config(d: int, rows: int, b_hkv: int, n: int, key_bits: int = 3, value_b
 
 @lru_cache(maxsize=4096)
 def _tc8_config(d, rows, b_hkv, n, key_bits, value_bits, window, blocks, warps) -> dict:
-    nw = warps or tc8_warps(value_bits)
+    nw = warps or TC8_WARPS
     step = 16 * nw
     # the window's threadgroups count against the target: one wave
     target = blocks - (b_hkv if window else 0)
@@ -135,7 +134,7 @@ def _tc8_config(d, rows, b_hkv, n, key_bits, value_bits, window, blocks, warps) 
     off_po = -(-(off_lse + (0 if window else b_hkv * rows)) // 4) * 4
     off_pm = off_po + b_hkv * slots * rows * d
     off_pl = off_pm + b_hkv * slots * rows
-    minb = 0 if value_bits == 3 else max(1, 16 // nw)
+    minb = max(1, 16 // nw)
     return {"NW": nw, "TOKS": toks, "S": S, "SLOTS": slots, "MINB": minb,
             "OFF_OUT": off_out, "OFF_LSE": off_lse, "OFF_PO": off_po, "OFF_PM": off_pm,
             "OFF_PL": off_pl, "WS": off_pl + b_hkv * slots * rows,

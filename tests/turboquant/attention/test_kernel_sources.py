@@ -132,10 +132,12 @@ def test_cuda_sources_compile_with_nvrtc():
     for name, ins, outs, tmpl in CASES:
         ok, log = compile_cuda(case_source(name, ins, outs, dict(tmpl)), name)
         assert ok, f"{name} {tmpl}:\n{log}"
-        # 4-bit keys and values under the 128-register cap keep a few bytes
-        # on the stack (the same SASS as before the kernels were regrouped)
-        capped_4_4 = dict(tmpl).get("MINB") and dict(tmpl)["BK"] == dict(tmpl)["BV"] == 4
-        assert capped_4_4 or "0 bytes spill stores" in log, log
+        # 4-bit keys at d=128 under the 128-register cap keep a few bytes on
+        # the stack (4/4: 4 bytes; 4/3: 16-24 bytes, measured faster than
+        # running uncapped at 4 warps: turboquant/attention/table.py)
+        t = dict(tmpl)
+        spills_allowed = t.get("MINB") and t["D"] == 128 and t["BK"] == 4 and t["BV"] in (3, 4)
+        assert spills_allowed or "0 bytes spill stores" in log, log
 
 
 def test_the_quantize_kernel_gets_the_codecs_scale_search(monkeypatch):

@@ -61,9 +61,9 @@ def test_cuda_decode_steps():
     assert choose(STEP, "cuda", "auto") is Route.FUSED_STEP
     # what the fused step does not take: the tc8 kernel with the ops around it
     for change in (dict(window_mask=True), dict(hadamard=False), dict(window=0), dict(value_dim=64),
-                   dict(window=table.fused_max_window(128, 4, 4) + 1)):
+                   dict(window=table.fused_max_window(128, 4) + 1)):
         assert choose(call(**change), "cuda", "auto") is Route.TC8, change
-    assert choose(call(window=table.fused_max_window(128, 4, 4)), "cuda", "auto") is Route.FUSED_STEP
+    assert choose(call(window=table.fused_max_window(128, 4)), "cuda", "auto") is Route.FUSED_STEP
     assert choose(call(q_heads=16), "cuda", "auto") is Route.FUSED_STEP  # 8 rows: still tc8
     assert choose(call(q_heads=18, kv_heads=2), "cuda", "auto") is Route.TC  # 9 rows: 16-row tiles
 

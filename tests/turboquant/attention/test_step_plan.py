@@ -76,10 +76,10 @@ def test_decode_step_plan(fake_cuda, monkeypatch):
     turboquant_attention(q, wk, wv, cache, 0.1, None)
     assert np.allclose(np.asarray(fused.calls[-1]["inputs"][12]), np.asarray(cache.key_mean.astype(mx.float32)))
     # another launch shape on request: another kernel (its constants), same step
-    step_plan.decode_step(q, wk, wv, cache, 0.1, warps=8)  # 3-bit values default to 4 warps
+    step_plan.decode_step(q, wk, wv, cache, 0.1, warps=4)  # the table's is 8
     name, call = log[-1]
     assert name.startswith("tq_decode_tc8_fused") and name != fused.name
-    assert "constexpr int NW = 8;\n" in made[name].source and call["threadgroup"] == (256, 1, 1)
+    assert "constexpr int NW = 4;\n" in made[name].source and call["threadgroup"] == (128, 1, 1)
     # what the fused step does not take falls through to the general path
     big = mx.zeros((1, 2, 4000, 128), mx.float16)
     assert step_plan.fused_step(q, big, big, cache, 0.1) is None
