@@ -208,9 +208,10 @@ def affine_attention(q, kq, vq, bits=4, group=64):
     return o.reshape(B, H, L, Dq)
 
 
-def tq_cache(n: int, kv_bits: float, seed: int = 0):
-    """A cache-like namespace with random packed history (what kernels read)."""
-    kb, vb = resolve_bits(kv_bits)
+def tq_cache(n: int, kv_bits: float, seed: int = 0, split: Optional[tuple[int, int]] = None):
+    """A cache-like namespace with random packed history (what kernels read);
+    ``split``: (key bits, value bits) instead of ``kv_bits``'s preset."""
+    kb, vb = split or resolve_bits(kv_bits)
     rot = HadamardRotation(D, seed)
     kc, vc = TurboQuantCodec(D, kb, rot), TurboQuantCodec(D, vb, rot)
     wk, wv = packed_words(D, kb), packed_words(D, vb)
@@ -222,7 +223,7 @@ def tq_cache(n: int, kv_bits: float, seed: int = 0):
     return SimpleNamespace(
         keys_packed=kp, keys_norms=kn, values_packed=vp, values_norms=vn,
         key_codec=kc, value_codec=vc, rotation=rot, value_rotation=rot,
-        key_mean=None, value_mean=None, packed_len=n,
+        key_mean=None, value_mean=None, packed_len=n, sink_len=0,
         nbytes=kp.nbytes + vp.nbytes + kn.nbytes + vn.nbytes,
     )
 
@@ -355,11 +356,19 @@ def bench_generation(lengths, results, layers: int = 32):
         ttq = timeit_generation(step, q, cs, layers, stats=htq)
         nbytes = c0.nbytes + 2 * wk.nbytes
         del cs, c0
-        out[n] = {"fp16 sdpa": t16, "tq 3.5 whole step": ttq, "bytes": nbytes,
+        # the same bytes split the other way (3-bit keys, 4-bit values): the
+        # kernels' speed at equal bytes, whatever the preset's split
+        c0 = tq_cache(n, 3.5, split=(3, 4))
+        cs = [c0] + [tq_cache(n, 3.5, seed=i + 1, split=(3, 4))
+                     for i in range(min(layers, copies_for(c0.nbytes)) - 1)]
+        t34 = timeit_generation(step, q, cs, layers)
+        del cs, c0
+        out[n] = {"fp16 sdpa": t16, "tq 3.5 whole step": ttq, "tq k3v4 whole step": t34, "bytes": nbytes,
                   "host": {"fp16 sdpa": h16["host"], "tq 3.5 whole step": htq["host"]}}
         print(f"  {n:>8} tokens: fp16 sdpa {t16 * 1e3:.4f}  tq 3.5 whole step {ttq * 1e3:.4f}"
               f"  ({t16 / ttq:.2f}x; {nbytes / ttq / 1e9:.0f} GB/s);  host build + submit"
-              f" {h16['host'] * 1e3:.4f} / {htq['host'] * 1e3:.4f}")
+              f" {h16['host'] * 1e3:.4f} / {htq['host'] * 1e3:.4f};  3/4 split {t34 * 1e3:.4f}"
+              f" (3.5 preset at {t34 / ttq:.2f}x its speed)")
         mx.clear_cache()
     results["generation"] = out
 
