@@ -54,6 +54,22 @@ __device__ __forceinline__ void tq_pairs3(unsigned int a, unsigned int b, unsign
   x = (a & EVEN) | ((b << 3) & ODD);
   y = ((a >> 3) & EVEN) | (b & ODD);
 }
+// A lane's 3-bit value codes of its four tokens va[j] (funnelled to bit 0)
+// as pair-table indices per run of 8 dims: xw / yw [token pair][run] (tokens
+// 2t, 2t+1 | 2t+8, 2t+9; RUNS = 2 at D = 128, 1 at 64).
+template <int VW, int RUNS>
+__device__ __forceinline__ void tq_pair_runs3(const unsigned int (&va)[4][VW], unsigned int (&xw)[2][RUNS],
+                                              unsigned int (&yw)[2][RUNS]) {
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+#pragma unroll
+    for (int h = 0; h < RUNS; ++h) {
+      const unsigned int a = h ? tq_funnel(va[2 * hh][0], va[2 * hh][VW - 1], 24) : va[2 * hh][0];
+      const unsigned int b = h ? tq_funnel(va[2 * hh + 1][0], va[2 * hh + 1][VW - 1], 24) : va[2 * hh + 1][0];
+      tq_pairs3(a, b, xw[hh][h], yw[hh][h]);
+    }
+  }
+}
 // `width` bits at stream bit `bit` of a lane's aligned words (bit and width
 // are compile-time after unrolling, so the array stays in registers).
 template <int N>

@@ -39,8 +39,8 @@ TC_LONG_TOKENS = 1 << 18
 TC8_BLOCKS = 264  # threadgroups: 2 resident per SM, one wave
 # 8 warps under a 128-register cap (2 resident threadgroups): chained decode
 # steps are latency bound, and 16 warps per SM hide more of it.  With 4-bit
-# keys and 3-bit values the cap leaves ~100 bytes of spills per thread and is
-# still the fastest launch (H100, 128k tokens, 32 dependent steps per token:
+# keys and 3-bit values the cap spills 16-24 bytes per thread and is still
+# the fastest launch (H100, 128k tokens, 32 dependent steps per token:
 # 0.069 ms per step against 0.075 ms for 4 warps uncapped and 0.073 ms for 4
 # warps in 396 threadgroups).
 TC8_WARPS = 8
@@ -107,11 +107,10 @@ def tc8_config(d: int, rows: int, b_hkv: int, n: int, key_bits: int = 3, value_b
     """Launch shape of the tc8 kernel and its workspace layout.
 
     128 registers (``MINB`` = 2 resident threadgroups of 8 warps).  The
-    split count sizes the grid;
-    warps draw 32-token chunks of their head from a counter.  Every split
-    writes a partial state and the last of its (batch, kv head) merges
-    them, so the workspace holds counters (a line per head), the output
-    and log-sum-exp, and the partials.  ``window``: the fused step, whose
+    split count sizes the grid; warps draw 32-token chunks of their head
+    from a counter.  Every split writes a partial state and the last of its
+    (batch, kv head) merges them, so the workspace holds counters (a line
+    per head), the output and log-sum-exp, and the partials.  ``window``: the fused step, whose
     extra threadgroup per head attends over the window and writes partial
     slot ``S`` (``SLOTS = S + 1``); its output is an array of its own.
     """
