@@ -138,7 +138,7 @@ def _subset_fn(n_levels: int):
 
 
 @lru_cache(maxsize=None)
-def _trellis_arrays(taps: int, nu: int) -> np.ndarray:
+def _x0_parity(taps: int, nu: int) -> np.ndarray:
     """p(r) for the x = 0 half of the states (bool [S/2]).
 
     State s' = 2r + b has predecessors x*S/2 + r (x = 0, 1).  The tap mask
@@ -202,7 +202,7 @@ def _search(dist: np.ndarray, taps: int, nu: int) -> np.ndarray:
     N, d = dist.shape[:2]
     S = 1 << nu
     H = S // 2
-    q = _trellis_arrays(taps, nu)
+    q = _x0_parity(taps, nu)
     J = np.full((N, S), 1e30, np.float32)
     J[:, 0] = 0.0  # zero start state
     nxt = np.empty_like(J)
