@@ -199,8 +199,10 @@ def test_a_file_replaced_while_it_is_read_is_read_again(tmp_path, model, monkeyp
     """Where the system cannot name an open file (no /proc/self/fd or
     /dev/fd), mx.load reopens the path: a writer of the same key renaming
     its file into place mid-read makes the read start over on the new file;
-    a path that keeps changing is refused."""
+    a path that keeps changing is refused.  (One load stream: a rename per
+    read attempt.)"""
     monkeypatch.setattr(kv_file, "_handle_path", lambda fd: None)
+    monkeypatch.setattr(kv_file, "_load_streams", lambda: (mx.cpu,))
     path = _written(tmp_path, model)
     data = path.read_bytes()
     real_load = mx.load
@@ -244,24 +246,61 @@ def test_a_file_replaced_on_every_read_is_read_whole_from_the_first_file(tmp_pat
 
     monkeypatch.setattr(mx, "load", load_then_replace)
     got = kv_file.read(path, key=KEY)
-    assert len(loads) == 1 and got.prefix_ids == first.prefix_ids != ids
+    assert len(loads) == kv_file.LOAD_STREAMS and got.prefix_ids == first.prefix_ids != ids
     assert got.key == KEY
 
 
-def test_tensors_load_on_the_cpu_stream(tmp_path, model, monkeypatch):
+def test_tensors_load_on_cpu_streams_side_by_side(tmp_path, model, monkeypatch):
     """On CUDA, mx.load on the GPU stream took 3x as long (H100, 3.9 GB:
     2.3 s against 0.76 s with the GPU's first touch), so the read names
-    the CPU stream whatever the default device is."""
+    CPU streams whatever the default device is; ``LOAD_STREAMS`` of them,
+    each evaluating its own share of the tensors, every tensor once."""
     path = _written(tmp_path, model)
-    real_load, streams = mx.load, []
+    want = kv_file.read(path, key=KEY)
+    real_load, streams, evaluated = mx.load, [], []
 
     def recording_load(p, **kwargs):
         streams.append(kwargs.get("stream"))
         return real_load(p, **kwargs)
 
     monkeypatch.setattr(mx, "load", recording_load)
-    assert kv_file.read(path, key=KEY).prefix_ids
-    assert streams == [mx.cpu]
+    got = kv_file.read(path, key=KEY)
+    assert len(streams) == kv_file.LOAD_STREAMS
+    assert streams[0] == mx.cpu and all(s.device == mx.cpu for s in streams[1:])
+    assert all(a != b for i, a in enumerate(streams[1:]) for b in streams[i + 2:])
+    assert got.prefix_ids == want.prefix_ids
+    for a, b in zip(got.caches, want.caches):
+        for x, y in zip(a.state, b.state):
+            if isinstance(x, mx.array):
+                assert mx.array_equal(x, y).item()
+
+
+def test_tensors_are_dealt_to_the_streams_by_size():
+    sizes = {"a": 100, "b": 60, "c": 50, "d": 40, "e": 10, "f": 0}
+    shares = kv_file.deal_by_size(sizes, 3)
+    assert sorted(n for s in shares for n in s) == sorted(sizes)
+    assert [sum(sizes[n] for n in s) for s in shares] == [100, 70, 90]
+    assert kv_file.deal_by_size({"a": 5}, 4) == [["a"], [], [], []]
+
+
+def test_the_read_asks_for_the_gpu_move_of_every_cache_tensor(tmp_path, model, monkeypatch):
+    """Loaded tensors go to the GPU in bulk (where the backend allows: False
+    on this CPU build); the token ids, read on the host, stay out."""
+    path = _written(tmp_path, model)
+    moved = []
+
+    def fake_to_gpu(arrays):
+        moved.extend(arrays)
+        return True
+
+    monkeypatch.setattr(kv_file.gpu_prefetch, "to_gpu", fake_to_gpu)
+    got = kv_file.read(path, key=KEY)
+    assert got.on_gpu is True
+    entries = kv_file._header(path)[2]
+    assert len(moved) == len(entries) - 1  # every tensor but prefix_ids
+    assert not any(m.ndim == 1 and m.dtype == mx.int32 and m.size == len(got.prefix_ids) for m in moved)
+    monkeypatch.undo()
+    assert kv_file.read(path, key=KEY).on_gpu is False  # this CPU-only build
 
 
 def test_the_writer_reads_bit_exact_device_copies_on_cuda(monkeypatch):
