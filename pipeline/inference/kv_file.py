@@ -13,6 +13,8 @@ raw tensor bytes)::
               "layers"   JSON: one class id per layer (``class_id``)
               "leaves"   JSON: the non-array leaves of the states (ints, strings, None)
               "crc32"    JSON: CRC-32 of every tensor's bytes
+              "meta_state" JSON: layer index -> ``meta_state``, for the classes
+                         whose ``from_state`` takes it (mlx-vlm's)
 
 A layer is saved through its own ``state`` protocol, the one mlx-lm's
 ``save_prompt_cache`` uses (``TurboQuantKVCache.state`` carries its packed
@@ -68,8 +70,10 @@ class UnsupportedCache(Exception):
     """A layer cache whose class this file format does not store."""
 
 
-def _class_table() -> dict[str, type]:
-    """Class id -> class, for every cache this format stores."""
+def _class_table(vlm: bool = False) -> dict[str, type]:
+    """Class id -> class, for every cache this format stores; mlx-vlm's
+    classes only with ``vlm`` (a file or a cache that names them): importing
+    mlx-vlm costs ~0.1-0.2 s, which a text model's first load would pay."""
     from mlx_lm.models import cache as lm
 
     from turboquant.cache import TurboQuantKVCache
@@ -79,22 +83,35 @@ def _class_table() -> dict[str, type]:
         "mlx_lm.KVCache": lm.KVCache,
         "mlx_lm.QuantizedKVCache": lm.QuantizedKVCache,
     }
-    try:
-        from mlx_vlm.models import cache as vlm
+    if vlm:
+        try:
+            from mlx_vlm.models import cache as vlm_cache
 
-        table["mlx_vlm.KVCache"] = vlm.KVCache
-        table["mlx_vlm.QuantizedKVCache"] = vlm.QuantizedKVCache
-    except ImportError:
-        pass
+            table["mlx_vlm.KVCache"] = vlm_cache.KVCache
+            table["mlx_vlm.QuantizedKVCache"] = vlm_cache.QuantizedKVCache
+        except ImportError:
+            pass
     return table
 
 
+def _names_vlm(ids: list) -> bool:
+    return any(isinstance(c, str) and c.startswith("mlx_vlm.") for c in ids)
+
+
 _STEPPED = ("KVCache", "QuantizedKVCache")  # state holds spare capacity past offset
+# classes whose from_state takes the meta_state too (mlx-vlm's: its
+# QuantizedKVCache keeps offset, group size and bits there, not in state)
+_META_STATE = ("mlx_vlm.KVCache", "mlx_vlm.QuantizedKVCache")
+
+
+def _meta_state(cache: Any) -> Any:
+    m = cache.meta_state
+    return list(m) if isinstance(m, tuple) else m
 
 
 def class_id(cache: Any) -> str:
     """The id a layer cache is stored under; ``UnsupportedCache`` if none."""
-    for cid, cls in _class_table().items():
+    for cid, cls in _class_table(type(cache).__module__.startswith("mlx_vlm")).items():
         if type(cache) is cls:
             return cid
     raise UnsupportedCache(f"{type(cache).__module__}.{type(cache).__name__}")
@@ -171,6 +188,8 @@ def write(path: Path, caches: list, prefix_ids: list[int], *, key: dict, info: d
         "layers": _dumps(ids),
         "leaves": _dumps(leaves),
         "crc32": _dumps({name: _crc(a) for name, a in tensors.items()}),
+        "meta_state": _dumps({str(i): _meta_state(c) for i, (c, cid) in enumerate(zip(caches, ids))
+                              if cid in _META_STATE}),
     }
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.stem}{TEMP_MARK}{os.getpid()}-{uuid.uuid4().hex[:8]}{SUFFIX}")
@@ -397,7 +416,7 @@ def _read_once(path: Path, key: dict | None) -> CacheFile:
             if key is not None and stored_key != key:
                 diff = sorted(k for k in set(key) | set(stored_key) if key.get(k) != stored_key.get(k))
                 raise CacheFileError(f"computed from something else (differs in: {', '.join(diff)})")
-            table = _class_table()
+            table = _class_table(_names_vlm(ids))
             unknown = [c for c in ids if c not in table]
             if unknown:
                 raise CacheFileError(f"unknown cache classes {unknown}")
@@ -433,7 +452,12 @@ def _read_once(path: Path, key: dict | None) -> CacheFile:
         states = tree_unflatten(flat)
         if not isinstance(states, list) or len(states) != len(ids):
             raise CacheFileError(f"{len(ids)} layers listed, states for {len(states)}")
-        caches = [table[cid].from_state(s) for cid, s in zip(ids, states)]
+        try:
+            metas = json.loads(meta.get("meta_state", "{}"))
+        except ValueError as e:
+            raise CacheFileError(f"meta_state is not JSON: {e}") from e
+        caches = [table[cid].from_state(s, metas.get(str(i))) if cid in _META_STATE else table[cid].from_state(s)
+                  for i, (cid, s) in enumerate(zip(ids, states))]
     except CacheFileError:
         raise
     except (TypeError, ValueError, KeyError, IndexError) as e:

@@ -110,9 +110,15 @@ def test_tasks_after_a_hit_extend_the_loaded_cache_without_touching_the_file(tmp
     assert store.path_for(key).read_bytes() == before
 
 
-def test_vlm_with_page_images_and_mrope_positions_loads_exactly(tmp_path, tiny_vlm_model):
+@pytest.mark.parametrize("spec", [
+    CacheSpec(kv_quant_scheme="turboquant", kv_bits=3.5, window=16, prefill_chunk=32),
+    CacheSpec(kv_quant_scheme="fp16", prefill_chunk=32),  # mlx-vlm's KVCache
+    CacheSpec(kv_quant_scheme="affine", kv_bits=4, prefill_chunk=32),  # mlx-vlm's QuantizedKVCache
+], ids=["turboquant", "fp16", "affine"])
+def test_vlm_with_page_images_and_mrope_positions_loads_exactly(tmp_path, tiny_vlm_model, spec):
     """Page images are merged during the prefill only; a loaded cache must also
-    bring back the multimodal position offset (pos_delta) the tasks continue from."""
+    bring back the multimodal position offset (pos_delta) the tasks continue
+    from, and mlx-vlm's own caches their meta_state."""
     from PIL import Image
 
     from pipeline.inference.prompt import PromptBuilder
@@ -130,7 +136,6 @@ def test_vlm_with_page_images_and_mrope_positions_loads_exactly(tmp_path, tiny_v
     loaded = tiny_vlm_model
     prompt = PromptBuilder(loaded.tokenizer, processor=loaded.processor, kind="vlm").build(doc, ContextSpec(), TASKS)
     assert prompt.n_images == 1
-    spec = CacheSpec(kv_quant_scheme="turboquant", kv_bits=3.5, window=16, prefill_chunk=32)
     first = Engine(loaded, spec, store=DocCacheStore(tmp_path))
     key = first.document_key("sha256:0", ContextSpec(), reads_images=True)
     fresh = first.process(prompt, TASKS, key=key)

@@ -7,6 +7,7 @@ import struct
 
 import mlx.core as mx
 import pytest
+from mlx.utils import tree_flatten
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache
 
 from pipeline.inference import kv_file
@@ -313,3 +314,44 @@ def test_the_writer_reads_bit_exact_device_copies_on_cuda(monkeypatch):
     assert copy.dtype == a.dtype and copy.shape == a.shape
     assert mx.array_equal(mx.view(copy, mx.uint16), mx.view(a, mx.uint16)).item()  # -0.0 and NaN bits kept
     assert kv_file._host_readable(mx.zeros((0, 4), dtype=mx.uint8)).shape == (0, 4)
+
+
+def _states_equal(a_caches, b_caches) -> bool:
+    for a, b in zip(a_caches, b_caches):
+        for x, y in zip(tree_flatten(a.state), tree_flatten(b.state)):
+            if isinstance(x[1], mx.array) and not mx.array_equal(x[1], y[1]).item():
+                return False
+    return True
+
+
+@pytest.mark.parametrize("kind", ["KVCache", "QuantizedKVCache"])
+def test_mlx_vlm_caches_round_trip(tmp_path, kind):
+    """mlx-vlm's from_state takes the meta_state (its QuantizedKVCache keeps
+    offset, group size and bits there): without it no VLM entry with these
+    caches could be loaded back."""
+    from mlx_vlm.models import cache as vlm
+
+    cls = getattr(vlm, kind)
+    caches = [cls() if kind == "KVCache" else cls(group_size=32, bits=4) for _ in range(2)]
+    for i, c in enumerate(caches):
+        k = mx.random.normal((1, 2, 5, 64), key=mx.random.key(i))
+        c.update_and_fetch(k, -k)
+    path = tmp_path / "vlm.safetensors"
+    kv_file.write(path, caches, [1, 2, 3, 4, 5], key=KEY, info={})
+    got = kv_file.read(path, key=KEY)
+    assert [type(c) for c in got.caches] == [cls, cls]
+    assert [c.offset for c in got.caches] == [5, 5] and [c.meta_state for c in got.caches] == [c.meta_state for c in caches]
+    assert _states_equal(got.caches, caches)
+
+
+def test_reading_a_text_models_cache_does_not_import_mlx_vlm(tmp_path, model):
+    """Importing mlx-vlm costs ~0.1-0.2 s; a text model's first load must not pay it."""
+    import subprocess
+    import sys
+
+    path = _written(tmp_path, model)
+    code = ("import sys, turboquant; from pipeline.inference import kv_file; "
+            f"f = kv_file.read({str(path)!r}, key={KEY!r}); "
+            "assert len(f.caches) == 2; print('mlx_vlm' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
