@@ -44,7 +44,6 @@ class _Driver:
 
     def __init__(self, lib: ctypes.CDLL, ordinal: int):
         self.lib = lib
-        self.ordinal = ordinal
         ctx, dev, stream = ctypes.c_void_p(), ctypes.c_int(), ctypes.c_void_p()
         self._check(lib.cuInit(0), "cuInit")
         self._check(lib.cuDeviceGet(ctypes.byref(dev), ordinal), "cuDeviceGet")
