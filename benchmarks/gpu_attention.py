@@ -228,6 +228,14 @@ def tq_cache(n: int, kv_bits: float, seed: int = 0, split: Optional[tuple[int, i
     )
 
 
+def tq_caches(n: int, kv_bits: float, most: Optional[int] = None, split: Optional[tuple[int, int]] = None) -> list:
+    """``tq_cache``s of distinct seeds to cycle through (``copies_for`` their
+    bytes, at most ``most``), so that no call finds its cache in L2."""
+    c0 = tq_cache(n, kv_bits, split=split)
+    k = copies_for(c0.nbytes) if most is None else min(most, copies_for(c0.nbytes))
+    return [c0] + [tq_cache(n, kv_bits, seed=i + 1, split=split) for i in range(k - 1)]
+
+
 def tq_cache_bytes(n: int, kv_bits: float) -> int:
     """Bytes of a packed cache of n tokens (codes + float16 norms, K and V)."""
     kb, vb = resolve_bits(kv_bits)
@@ -302,8 +310,8 @@ def bench_decode(lengths, results, bw):
             print(f"  affine failed at {n}: {e}")
         del aq, k, v
         for kv_bits in (2.5, 3.5, 4):
-            c0 = tq_cache(n, kv_bits)
-            cs = [c0] + [tq_cache(n, kv_bits, seed=i + 1) for i in range(copies_for(c0.nbytes) - 1)]
+            cs = tq_caches(n, kv_bits)
+            c0 = cs[0]
 
             def kernel_step(x, c):
                 return tq_decode_fn(c, x)()
@@ -351,18 +359,15 @@ def bench_generation(lengths, results, layers: int = 32):
         h16, htq = {}, {}
         t16 = timeit_generation(fp16_step, q, cs, layers, stats=h16)
         del cs, k, v
-        c0 = tq_cache(n, 3.5)
-        cs = [c0] + [tq_cache(n, 3.5, seed=i + 1) for i in range(min(layers, copies_for(c0.nbytes)) - 1)]
+        cs = tq_caches(n, 3.5, most=layers)
         ttq = timeit_generation(step, q, cs, layers, stats=htq)
-        nbytes = c0.nbytes + 2 * wk.nbytes
-        del cs, c0
+        nbytes = cs[0].nbytes + 2 * wk.nbytes
+        del cs
         # the same bytes split the other way (3-bit keys, 4-bit values): the
         # kernels' speed at equal bytes, whatever the preset's split
-        c0 = tq_cache(n, 3.5, split=(3, 4))
-        cs = [c0] + [tq_cache(n, 3.5, seed=i + 1, split=(3, 4))
-                     for i in range(min(layers, copies_for(c0.nbytes)) - 1)]
+        cs = tq_caches(n, 3.5, most=layers, split=(3, 4))
         t34 = timeit_generation(step, q, cs, layers)
-        del cs, c0
+        del cs
         out[n] = {"fp16 sdpa": t16, "tq 3.5 whole step": ttq, "tq k3v4 whole step": t34, "bytes": nbytes,
                   "host": {"fp16 sdpa": h16["host"], "tq 3.5 whole step": htq["host"]}}
         print(f"  {n:>8} tokens: fp16 sdpa {t16 * 1e3:.4f}  tq 3.5 whole step {ttq * 1e3:.4f}"
