@@ -299,7 +299,7 @@ def test_the_read_asks_for_the_gpu_move_of_every_cache_tensor(tmp_path, model, m
         moved.extend(arrays)
         return True
 
-    monkeypatch.setattr(kv_file.gpu_prefetch, "to_gpu", fake_to_gpu)
+    monkeypatch.setattr(kv_file.gpu_upload, "to_gpu", fake_to_gpu)
     got = kv_file.read(path, key=KEY)
     assert got.on_gpu is True
     entries = kv_file._header(path)[2]
@@ -352,3 +352,51 @@ def test_reading_a_text_models_cache_does_not_import_mlx_vlm(tmp_path, model):
             "assert len(f.caches) == 2; print('mlx_vlm' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def _host_upload(monkeypatch):
+    """The staged GPU reader on this CPU build: its copies are memmoves."""
+    from test_gpu_upload import HostCopyDriver
+
+    monkeypatch.setattr(kv_file.gpu_upload, "CHUNK", 4096)
+    drv = HostCopyDriver(4096)
+    monkeypatch.setattr(kv_file.gpu_upload, "_driver", lambda: drv)
+    return drv
+
+
+@pytest.fixture
+def host_upload(monkeypatch):
+    return _host_upload(monkeypatch)
+
+
+def test_the_staged_reader_gives_the_plain_reads_caches(tmp_path, model, monkeypatch):
+    path = _written(tmp_path, model)
+    plain = kv_file.read(path, key=KEY)
+    assert plain.on_gpu is False
+    drv = _host_upload(monkeypatch)
+    monkeypatch.setattr(mx, "load", lambda *a, **k: pytest.fail("the staged reader must not call mx.load"))
+    staged = kv_file.read(path, key=KEY)
+    assert staged.on_gpu is True and drv.copies
+    assert staged.prefix_ids == plain.prefix_ids and _states_equal(staged.caches, plain.caches)
+
+
+def test_the_staged_reader_refuses_a_flipped_byte(tmp_path, model, host_upload):
+    path = _written(tmp_path, model)
+    data = bytearray(path.read_bytes())
+    data[len(data) * 2 // 3] ^= 0x10
+    path.write_bytes(bytes(data))
+    with pytest.raises(CacheFileError, match="checksum mismatch"):
+        kv_file.read(path, key=KEY)
+
+
+def test_a_refused_upload_falls_back_to_the_plain_read(tmp_path, model, monkeypatch):
+    path = _written(tmp_path, model)
+    plain = kv_file.read(path, key=KEY)
+
+    def refuse(fd, spans):
+        raise kv_file.gpu_upload.Unavailable("cuMemHostAlloc returned CUresult 2")
+
+    monkeypatch.setattr(kv_file.gpu_upload, "available", lambda: True)
+    monkeypatch.setattr(kv_file.gpu_upload, "read_tensors", refuse)
+    got = kv_file.read(path, key=KEY)
+    assert got.prefix_ids == plain.prefix_ids and _states_equal(got.caches, plain.caches)
