@@ -13,8 +13,18 @@ so the result is the unpadded one up to float summation order).  The pad
 tokens are storage the cache already holds (zeros, or stale tokens after a
 trim: finite, and never seen).
 
+Several query rows at once (a prefill chunk, a task's prompt) fail on CUDA
+too, at any length: mlx-lm's score product broadcasts the keys over each kv
+head's query heads, and MLX 0.32's CUDA ``quantized_matmul`` has no kernel
+for that with more than one row (``257x512x64x4 ... activation: float32``).
+That product also materializes ``rows x tokens`` float32 scores per head.
+So :func:`dequantized_attention` takes those calls (the attention hook,
+``integration``, routes them): keys and values dequantized, then
+``mx.fast.scaled_dot_product_attention``; one decode row stays on mlx-lm's
+quantized path, which reads the packed cache.
+
 ``make_prompt_cache`` picks ``pad_multiple``: :data:`CUDA_PAD_MULTIPLE` on a
-CUDA device, 1 (plain mlx-lm behaviour) elsewhere.  If a CUDA build still
+CUDA device, 1 (plain mlx-lm behaviour, no hook) elsewhere.  If a CUDA build still
 finds no kernel for a padded shape, the error is re-raised naming this
 limitation (:func:`explain_cuda_error`) instead of MLX's bare message.
 """
@@ -53,6 +63,23 @@ def explain_cuda_error(exc: BaseException) -> BaseException:
             f"({exc}); use kv_quant_scheme 'turboquant' or 'fp16' on CUDA"
         )
     return exc
+
+
+def dequantized_attention(queries: mx.array, keys: tuple, values: tuple, cache: "PaddedQuantizedKVCache",
+                          scale: float, mask: Any) -> mx.array:
+    """Attention of ``queries`` over the cache's (padded) packed ``keys`` and
+    ``values`` triples, dequantized to the queries' dtype first; ``mask`` as
+    :meth:`PaddedQuantizedKVCache.make_mask` returns it (padding masked)."""
+    gs, bits = cache.group_size, cache.bits
+    k = mx.dequantize(*keys, group_size=gs, bits=bits).astype(queries.dtype)
+    v = mx.dequantize(*values, group_size=gs, bits=bits).astype(queries.dtype)
+    return mx.fast.scaled_dot_product_attention(queries, k, v, scale=scale, mask=mask)
+
+
+def takes_dequantized(cache: Any, queries: mx.array) -> bool:
+    """Whether an attention call goes to :func:`dequantized_attention`: a
+    padded cache (CUDA) and more than one query row."""
+    return isinstance(cache, PaddedQuantizedKVCache) and cache.pad_multiple > 1 and queries.shape[2] > 1
 
 
 class PaddedQuantizedKVCache(QuantizedKVCache):

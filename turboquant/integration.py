@@ -5,8 +5,10 @@ Models in both libraries compute attention through
 scale, mask)`` with the cache they got from ``update_and_fetch``.
 ``install()`` wraps that function so a ``TurboQuantKVCache`` goes to
 ``turboquant_attention``, a ``SharedPrefixCache`` (task rows over one
-document, any document cache) to ``shared_prefix_attention`` and every
-other cache to the original, unchanged;
+document, any document cache) to ``shared_prefix_attention``, several
+query rows over a CUDA-padded affine cache to
+``affine.dequantized_attention`` (no CUDA kernel for mlx-lm's product
+there) and every other cache to the original, unchanged;
 no model file is edited.  Model modules bind the function by name at import
 (``from .base import scaled_dot_product_attention``), so already-imported
 modules are rebound too; modules imported later pick up the wrapper from
@@ -28,6 +30,7 @@ from __future__ import annotations
 import sys
 from typing import Any, Callable
 
+from .affine import dequantized_attention, takes_dequantized
 from .cache import TurboQuantKVCache
 from .attention import turboquant_attention
 from .shared_prefix import SharedPrefixCache, shared_prefix_attention
@@ -44,6 +47,8 @@ def _make_wrapper(original: Callable) -> Callable:
             return shared_prefix_attention(queries, keys, values, cache, scale)
         if isinstance(cache, TurboQuantKVCache):
             return turboquant_attention(queries, keys, values, cache, scale, mask, sinks)
+        if sinks is None and takes_dequantized(cache, queries):
+            return dequantized_attention(queries, keys, values, cache, scale, mask)
         if sinks is None:
             return original(queries, keys, values, cache, scale=scale, mask=mask)
         return original(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)

@@ -94,7 +94,8 @@ def make_prompt_cache(
     the last ``window`` tokens exact; also installs the attention hook
     (``integration.install``).  ``"affine"``: mlx's
     ``QuantizedKVCache(affine_group_size, int(kv_bits))`` on the same layers
-    (``affine.PaddedQuantizedKVCache``: padded to a round length on CUDA).
+    (``affine.PaddedQuantizedKVCache``: padded to a round length on CUDA,
+    where the attention hook is installed too).
     ``"fp16"``: the model's own caches (the baseline; the model's dtype).
     """
     policy = parse_kv_policy(
@@ -120,6 +121,8 @@ def make_prompt_cache(
                 PaddedQuantizedKVCache(group_size=policy.affine_group_size, bits=policy.affine_bits, pad_multiple=pad)
                 if pad > 1 else QuantizedKVCache(group_size=policy.affine_group_size, bits=policy.affine_bits)
             )
+        if pad > 1 and layers:
+            install()  # several query rows go to affine.dequantized_attention
         return caches
 
     if layers:

@@ -77,3 +77,34 @@ def test_trimmed_then_regrown_pad_columns_are_never_seen():
     model(ids[:, :21], cache=plain)
     tok = mx.array([[9]])
     assert mx.allclose(model(tok, cache=plain), model(tok, cache=padded), atol=1e-4, rtol=1e-4)
+
+
+def test_several_rows_over_a_padded_cache_take_the_dequantized_path(monkeypatch):
+    """A prefill over a padded cache goes to dequantized_attention (CUDA has no
+    kernel for mlx-lm's broadcast score product with several rows); one
+    decode row stays on mlx-lm's quantized path; logits as the unpadded cache's."""
+    from turboquant import affine, integration
+
+    integration.install()
+    calls = []
+    real = affine.dequantized_attention
+
+    def counted(queries, *args):
+        calls.append(queries.shape[2])
+        return real(queries, *args)
+
+    monkeypatch.setattr(integration, "dequantized_attention", counted)
+    model = _model()
+    ids = mx.array([[(7 * i + 2) % 95 + 1 for i in range(58)]])
+    plain = [QuantizedKVCache(group_size=32, bits=4) for _ in model.layers]
+    padded = [PaddedQuantizedKVCache(group_size=32, bits=4, pad_multiple=64) for _ in model.layers]
+    a, b = model(ids, cache=plain), model(ids, cache=padded)
+    assert calls == [58, 58]  # both layers, the whole chunk
+    assert mx.allclose(a, b, atol=1e-4, rtol=1e-4)
+    for _ in range(3):  # decode rows: mlx-lm's path, padded
+        tok = mx.argmax(a[:, -1:], axis=-1)
+        a, b = model(tok, cache=plain), model(tok, cache=padded)
+        assert mx.allclose(a, b, atol=1e-4, rtol=1e-4)
+    chunk = mx.array([[5, 6, 7]])  # rows over the cached tokens, ending on 64: no padding, a causal mask
+    assert mx.allclose(model(chunk, cache=plain), model(chunk, cache=padded), atol=1e-4, rtol=1e-4)
+    assert calls == [58, 58, 3, 3]
