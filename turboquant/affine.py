@@ -13,15 +13,19 @@ so the result is the unpadded one up to float summation order).  The pad
 tokens are storage the cache already holds (zeros, or stale tokens after a
 trim: finite, and never seen).
 
-Several query rows at once (a prefill chunk, a task's prompt) fail on CUDA
-too, at any length: mlx-lm's score product broadcasts the keys over each kv
-head's query heads, and MLX 0.32's CUDA ``quantized_matmul`` has no kernel
-for that with more than one row (``257x512x64x4 ... activation: float32``).
-That product also materializes ``rows x tokens`` float32 scores per head.
-So :func:`dequantized_attention` takes those calls (the attention hook,
-``integration``, routes them): keys and values dequantized, then
-``mx.fast.scaled_dot_product_attention``; one decode row stays on mlx-lm's
-quantized path, which reads the packed cache.
+Beyond that, MLX 0.32.4's CUDA ``quantized_matmul`` cannot be trusted with
+mlx-lm's attention product (H100, against an exact reference,
+``tests/gpu/test_affine_gpu.py``): no kernel for several query rows over
+the keys broadcast across a kv head's query heads (``257x512x64x4``), none
+for one row at head dim 64 in float32 (``1x256x64x4``), and at head dim
+128 one row over the broadcast keys gave wrong outputs (off by ~0.06 where
+they lie in 0-1.9: not rounding).  So on CUDA every attention
+call over the cache goes to :func:`dequantized_attention` (the attention
+hook, ``integration``, routes it; ``shared_prefix`` reads such a
+document the same way): keys and values dequantized, then
+``mx.fast.scaled_dot_product_attention``.  The cache still stores packed
+codes (its memory is the affine cache's); the padding stays as the masks
+are built for it.
 
 ``make_prompt_cache`` picks ``pad_multiple``: :data:`CUDA_PAD_MULTIPLE` on a
 CUDA device, 1 (plain mlx-lm behaviour, no hook) elsewhere.  If a CUDA build still
@@ -76,10 +80,10 @@ def dequantized_attention(queries: mx.array, keys: tuple, values: tuple, cache: 
     return mx.fast.scaled_dot_product_attention(queries, k, v, scale=scale, mask=mask)
 
 
-def takes_dequantized(cache: Any, queries: mx.array) -> bool:
-    """Whether an attention call goes to :func:`dequantized_attention`: a
-    padded cache (CUDA) and more than one query row."""
-    return isinstance(cache, PaddedQuantizedKVCache) and cache.pad_multiple > 1 and queries.shape[2] > 1
+def dequantizes(cache: Any) -> bool:
+    """Whether attention over ``cache`` dequantizes it first: a padded
+    cache, i.e. one made for CUDA (see the module docstring)."""
+    return isinstance(cache, PaddedQuantizedKVCache) and cache.pad_multiple > 1
 
 
 class PaddedQuantizedKVCache(QuantizedKVCache):

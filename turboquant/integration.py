@@ -5,10 +5,10 @@ Models in both libraries compute attention through
 scale, mask)`` with the cache they got from ``update_and_fetch``.
 ``install()`` wraps that function so a ``TurboQuantKVCache`` goes to
 ``turboquant_attention``, a ``SharedPrefixCache`` (task rows over one
-document, any document cache) to ``shared_prefix_attention``, several
-query rows over a CUDA-padded affine cache to
-``affine.dequantized_attention`` (no CUDA kernel for mlx-lm's product
-there) and every other cache to the original, unchanged;
+document, any document cache) to ``shared_prefix_attention``, a CUDA
+affine cache to ``affine.dequantized_attention`` (MLX's CUDA
+quantized_matmul fails or errs on mlx-lm's product, see ``affine``) and
+every other cache to the original, unchanged;
 no model file is edited.  Model modules bind the function by name at import
 (``from .base import scaled_dot_product_attention``), so already-imported
 modules are rebound too; modules imported later pick up the wrapper from
@@ -30,7 +30,7 @@ from __future__ import annotations
 import sys
 from typing import Any, Callable
 
-from .affine import dequantized_attention, takes_dequantized
+from .affine import dequantized_attention, dequantizes
 from .cache import TurboQuantKVCache
 from .attention import turboquant_attention
 from .shared_prefix import SharedPrefixCache, shared_prefix_attention
@@ -47,7 +47,7 @@ def _make_wrapper(original: Callable) -> Callable:
             return shared_prefix_attention(queries, keys, values, cache, scale)
         if isinstance(cache, TurboQuantKVCache):
             return turboquant_attention(queries, keys, values, cache, scale, mask, sinks)
-        if sinks is None and takes_dequantized(cache, queries):
+        if sinks is None and dequantizes(cache):
             return dequantized_attention(queries, keys, values, cache, scale, mask)
         if sinks is None:
             return original(queries, keys, values, cache, scale=scale, mask=mask)

@@ -122,7 +122,7 @@ def make_prompt_cache(
                 if pad > 1 else QuantizedKVCache(group_size=policy.affine_group_size, bits=policy.affine_bits)
             )
         if pad > 1 and layers:
-            install()  # several query rows go to affine.dequantized_attention
+            install()  # the attention goes to affine.dequantized_attention
         return caches
 
     if layers:

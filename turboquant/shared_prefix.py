@@ -35,7 +35,7 @@ from typing import Optional, Sequence
 import mlx.core as mx
 from mlx_lm.models.cache import _BaseCache
 
-from .affine import padded_length
+from .affine import dequantizes, padded_length
 from .masks import NEG
 
 DENSE_SCORES_BYTES = 256 << 20  # float32 scores of one block of a dense document
@@ -100,14 +100,22 @@ def _affine_partial(q: mx.array, doc, n: int) -> tuple[mx.array, mx.array]:
     keys = tree_map(lambda x: x[..., :n_pad, :], doc.keys)
     values = tree_map(lambda x: x[..., :n_pad, :], doc.values)
     dtype = keys[1].dtype
-    scores = mx.quantized_matmul(q.astype(dtype), *keys, transpose=True, group_size=gs, bits=bits)
-    scores = scores.astype(mx.float32)
+    if dequantizes(doc):  # CUDA: its quantized_matmul fails on these products (see affine)
+        k = mx.dequantize(*keys, group_size=gs, bits=bits)
+        v = mx.dequantize(*values, group_size=gs, bits=bits)
+        scores = (q.astype(dtype) @ k.swapaxes(-1, -2)).astype(mx.float32)
+    else:
+        scores = mx.quantized_matmul(q.astype(dtype), *keys, transpose=True, group_size=gs, bits=bits)
+        scores = scores.astype(mx.float32)
     if n_pad > n:
         scores = mx.where(mx.arange(n_pad) < n, scores, NEG)
     m = scores.max(axis=-1, keepdims=True)
     p = mx.exp(scores - m)
     s = p.sum(axis=-1, keepdims=True)
-    out = mx.quantized_matmul(p.astype(dtype), *values, transpose=False, group_size=gs, bits=bits)
+    if dequantizes(doc):
+        out = p.astype(dtype) @ v
+    else:
+        out = mx.quantized_matmul(p.astype(dtype), *values, transpose=False, group_size=gs, bits=bits)
     return m + mx.log(s), out.astype(mx.float32) / s
 
 

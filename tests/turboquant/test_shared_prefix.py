@@ -5,6 +5,7 @@ import pytest
 from mlx_lm.models.base import scaled_dot_product_attention as sdpa
 from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
+from turboquant.affine import PaddedQuantizedKVCache
 from turboquant.attention import turboquant_attention
 from turboquant.cache import TurboQuantKVCache
 from turboquant.shared_prefix import SharedPrefixCache, shared_prefix_attention
@@ -18,7 +19,9 @@ def _doc(kind: str, n: int, seed: int = 0):
     k = 2.0 * mx.random.normal((1, H_KV, n, D)) + 1.0
     v = mx.random.normal((1, H_KV, n, D))
     cache = {"turboquant": lambda: TurboQuantKVCache(3.5, window=16, seed=seed),
-             "fp16": KVCache, "affine": lambda: QuantizedKVCache(group_size=32, bits=4)}[kind]()
+             "fp16": KVCache, "affine": lambda: QuantizedKVCache(group_size=32, bits=4),
+             # as made for CUDA: read dequantized (affine.dequantizes)
+             "affine-padded": lambda: PaddedQuantizedKVCache(group_size=32, bits=4, pad_multiple=64)}[kind]()
     for a in range(0, n, 40):  # chunked prefill
         cache.update_and_fetch(k[:, :, a:a + 40], v[:, :, a:a + 40])
     if kind == "turboquant":
@@ -27,8 +30,9 @@ def _doc(kind: str, n: int, seed: int = 0):
 
 
 def _alone(kind, n_doc, q, k, v):
-    """One row, attending over [document; its own tokens] the way a task run alone does."""
-    c = _doc(kind, n_doc)
+    """One row, attending over [document; its own tokens] the way a task run
+    alone does (a padded affine document: the plain one, same codes)."""
+    c = _doc("affine" if kind == "affine-padded" else kind, n_doc)
     wk, wv = c.update_and_fetch(k, v)
     L = q.shape[2]
     if kind == "turboquant":
@@ -36,7 +40,7 @@ def _alone(kind, n_doc, q, k, v):
     return sdpa(q, wk, wv, c, SCALE, "causal" if L > 1 else None)
 
 
-@pytest.mark.parametrize("kind", ["turboquant", "fp16", "affine"])
+@pytest.mark.parametrize("kind", ["turboquant", "fp16", "affine", "affine-padded"])
 def test_rows_sharing_a_document_match_each_row_alone(kind):
     n_doc = 150
     doc = _doc(kind, n_doc)
