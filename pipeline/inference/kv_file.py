@@ -400,19 +400,21 @@ _DTYPES = {"BOOL": mx.bool_, "U8": mx.uint8, "I8": mx.int8, "U16": mx.uint16, "I
            "F16": mx.float16, "BF16": mx.bfloat16, "F32": mx.float32}
 
 
-def _upload(fd: int, entries: dict, start: int, crcs: dict) -> dict[str, mx.array] | None:
-    """The tensors read once, checksummed and copied into GPU memory
-    (:func:`gpu_upload.read_tensors`); None where the driver refuses (the
-    caller loads the plain way).  Every byte comes from the open handle."""
+def _upload(fd: int, entries: dict, spans: list) -> dict[str, mx.array] | None:
+    """The tensors (``spans``: :func:`_tensor_spans`) read once, checksummed
+    and copied into GPU memory (:func:`gpu_upload.read_tensors`); None where
+    the driver refuses (the caller loads the plain way).  Every byte comes
+    from the open handle."""
+    specs = []
     try:
-        specs = [gpu_upload.TensorSpan(name, start + int(t["data_offsets"][0]),
-                                       int(t["data_offsets"][1]) - int(t["data_offsets"][0]),
-                                       _DTYPES[t["dtype"]], tuple(int(n) for n in t["shape"]))
-                 for name, t in entries.items()]
-    except KeyError as e:
-        log.info("a tensor of dtype %s: loading the plain way", e)
-        return None
-    except (TypeError, ValueError, IndexError) as e:
+        for name, offset, length, _ in spans:
+            t = entries[name]
+            dtype = _DTYPES.get(t.get("dtype"))
+            if dtype is None:
+                log.info("a tensor of dtype %s: loading the plain way", t.get("dtype"))
+                return None
+            specs.append(gpu_upload.TensorSpan(name, offset, length, dtype, tuple(int(n) for n in t["shape"])))
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise CacheFileError(f"tensor entries malformed: {type(e).__name__}: {e}") from e
     try:
         arrays, got = gpu_upload.read_tensors(fd, specs)
@@ -421,8 +423,8 @@ def _upload(fd: int, entries: dict, start: int, crcs: dict) -> dict[str, mx.arra
         return None
     except EOFError as e:
         raise CacheFileError(str(e)) from e
-    for name in entries:
-        if got[name] != int(crcs[name]):
+    for name, _, _, crc in spans:
+        if got[name] != crc:
             raise CacheFileError(f"checksum mismatch in tensor {name!r}")
     return arrays
 
@@ -472,7 +474,7 @@ def _read_once(path: Path, key: dict | None) -> CacheFile:
             if unknown:
                 raise CacheFileError(f"unknown cache classes {unknown}")
             spans = _tensor_spans(entries, start, crcs)
-            arrays = _upload(f.fileno(), entries, start, crcs) if gpu_upload.available() else None
+            arrays = _upload(f.fileno(), entries, spans) if gpu_upload.available() else None
             on_gpu = arrays is not None
             if arrays is None:
                 arrays = _load_checked(f, path, entries, spans)
