@@ -35,7 +35,7 @@ from typing import Optional, Sequence
 import mlx.core as mx
 from mlx_lm.models.cache import _BaseCache
 
-from .affine import dequantizes, padded_length
+from .affine import dequantizes
 from .masks import NEG
 
 DENSE_SCORES_BYTES = 256 << 20  # float32 scores of one block of a dense document
@@ -92,30 +92,20 @@ def _dense_partial(q: mx.array, keys: mx.array, values: mx.array, n: int) -> tup
 
 def _affine_partial(q: mx.array, doc, n: int) -> tuple[mx.array, mx.array]:
     """Partial state over an affine ``QuantizedKVCache`` document's first
-    ``n`` tokens, straight from its packed triples (padded, see ``affine``)."""
+    ``n`` tokens, straight from its packed triples (off CUDA: there
+    :func:`document_partial` dequantizes, see ``affine``)."""
     from mlx.utils import tree_map
 
     gs, bits = doc.group_size, doc.bits
-    n_pad = padded_length(n, getattr(doc, "pad_multiple", 1), doc.keys[0].shape[-2])
-    keys = tree_map(lambda x: x[..., :n_pad, :], doc.keys)
-    values = tree_map(lambda x: x[..., :n_pad, :], doc.values)
+    keys = tree_map(lambda x: x[..., :n, :], doc.keys)
+    values = tree_map(lambda x: x[..., :n, :], doc.values)
     dtype = keys[1].dtype
-    if dequantizes(doc):  # CUDA: its quantized_matmul fails on these products (see affine)
-        k = mx.dequantize(*keys, group_size=gs, bits=bits)
-        v = mx.dequantize(*values, group_size=gs, bits=bits)
-        scores = (q.astype(dtype) @ k.swapaxes(-1, -2)).astype(mx.float32)
-    else:
-        scores = mx.quantized_matmul(q.astype(dtype), *keys, transpose=True, group_size=gs, bits=bits)
-        scores = scores.astype(mx.float32)
-    if n_pad > n:
-        scores = mx.where(mx.arange(n_pad) < n, scores, NEG)
+    scores = mx.quantized_matmul(q.astype(dtype), *keys, transpose=True, group_size=gs, bits=bits)
+    scores = scores.astype(mx.float32)
     m = scores.max(axis=-1, keepdims=True)
     p = mx.exp(scores - m)
     s = p.sum(axis=-1, keepdims=True)
-    if dequantizes(doc):
-        out = p.astype(dtype) @ v
-    else:
-        out = mx.quantized_matmul(p.astype(dtype), *values, transpose=False, group_size=gs, bits=bits)
+    out = mx.quantized_matmul(p.astype(dtype), *values, transpose=False, group_size=gs, bits=bits)
     return m + mx.log(s), out.astype(mx.float32) / s
 
 
@@ -182,6 +172,11 @@ def document_partial(q: mx.array, doc) -> Optional[tuple[mx.array, mx.array]]:
     n = int(doc.offset)
     if n == 0:
         return None
+    if dequantizes(doc):  # CUDA's quantized_matmul fails on these products (see affine)
+        gs, bits = doc.group_size, doc.bits
+        keys, values = (mx.dequantize(*(x[..., :n, :] for x in t), group_size=gs, bits=bits)
+                        for t in (doc.keys, doc.values))
+        return _dense_partial(q, keys, values, n)
     if hasattr(doc, "bits"):  # mlx's affine QuantizedKVCache
         return _affine_partial(q, doc, n)
     return _dense_partial(q, doc.keys, doc.values, n)
