@@ -24,8 +24,9 @@ call over the cache goes to :func:`dequantized_attention` (the attention
 hook, ``integration``, routes it; ``shared_prefix`` reads such a
 document the same way): keys and values dequantized, then
 ``mx.fast.scaled_dot_product_attention``.  The cache still stores packed
-codes (its memory is the affine cache's); the padding stays as the masks
-are built for it.
+codes (its memory is the affine cache's).  The padding stays: the
+dequantized path passed on the H100 at padded (round) lengths, and odd
+ones were never run there.
 
 ``make_prompt_cache`` picks ``pad_multiple``: :data:`CUDA_PAD_MULTIPLE` on a
 CUDA device, 1 (plain mlx-lm behaviour, no hook) elsewhere.  If a CUDA build still
