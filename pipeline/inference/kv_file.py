@@ -429,7 +429,7 @@ def _upload(fd: int, entries: dict, spans: list) -> dict[str, mx.array] | None:
     return arrays
 
 
-def _load_checked(f: Any, path: Path, entries: dict, spans: list) -> dict[str, mx.array]:
+def _load_checked(f: Any, path: Path, spans: list) -> dict[str, mx.array]:
     """``mx.load`` on CPU streams into MLX buffers while threads checksum
     the same tensors on the file (CUDA: managed memory, for the caller to
     move to the GPU).
@@ -477,7 +477,7 @@ def _read_once(path: Path, key: dict | None) -> CacheFile:
             arrays = _upload(f.fileno(), entries, spans) if gpu_upload.available() else None
             on_gpu = arrays is not None
             if arrays is None:
-                arrays = _load_checked(f, path, entries, spans)
+                arrays = _load_checked(f, path, spans)
     except OSError as e:
         raise CacheFileError(f"cannot read tensors: {e}") from e
     except (RuntimeError, ValueError) as e:
