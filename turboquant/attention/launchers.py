@@ -16,7 +16,7 @@ import mlx.core as mx
 
 from ..codec import SCALE_SEARCH
 from . import device, table
-from .pair_tables import codebook_arrays, f32, pair_table, tc8_tables
+from .pair_tables import codebook_arrays, f32, kernel_tables
 from .params import meta, split_params, tc8_head
 from .route import Route
 from .sources import launch, launch_bounds
@@ -48,7 +48,7 @@ def decode(
     if route is Route.TC8:
         kw = {} if blocks is None else {"blocks": blocks}
         cfg = table.tc8_config(D, R, B * H, n, key_bits, value_bits, warps=warps, **kw)
-        tables = tc8_tables(key_centroids, key_bits, value_centroids, value_bits, cfg)
+        tables = kernel_tables(key_centroids, key_bits, value_centroids, value_bits)
         (ws,) = launch(
             "tq_decode_tc8", prelude=cfg["PRELUDE"],
             inputs=inputs + tables + [meta(*tc8_head(n, cap, cfg, H, R, fused=False))],
@@ -62,7 +62,7 @@ def decode(
         cfg = table.tc_config(D, R, B * H, n, blocks=blocks, warps=warps or table.TC_WARPS)
         S, NW = cfg["S"], cfg["NW"]
         params = split_params(n, cap, cfg["TOKS"], H, S, R, cfg["RT"])
-        tables = [pair_table(key_centroids, key_bits), pair_table(value_centroids, value_bits)]
+        tables = kernel_tables(key_centroids, key_bits, value_centroids, value_bits)
         po, pm, pl = launch(
             "tq_decode_tc", prelude=launch_bounds(NW * 32, 0), inputs=inputs + tables + [params],
             template=[("D", D), ("BK", key_bits), ("BV", value_bits), ("GL", cfg["GL"]), ("NW", NW)],

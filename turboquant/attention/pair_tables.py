@@ -6,6 +6,8 @@ from functools import lru_cache
 
 import mlx.core as mx
 
+from .table import table_copies
+
 _PAIR_TABLES: dict = {}
 
 
@@ -28,12 +30,11 @@ def codebook_arrays(bits: int, dim: int) -> tuple[mx.array, mx.array]:
     return cb.boundaries_mx(), cb.centroids_mx()
 
 
-def pair_table(centroids: mx.array, bits: int, copies: int = 0) -> mx.array:
+def pair_table(centroids: mx.array, bits: int, copies: int) -> mx.array:
     """The tensor-core kernels' codebook pair table: entry ``e = i0 | i1 << bits``
     holds half2(c[i0], c[i1]) (raw uint32 bits), stored ``copies`` times side
-    by side (default 32, or 16 for 256 entries) so each lane reads its own
-    bank.  Every threadgroup copies it to shared memory with 16-byte loads."""
-    copies = copies or (16 if bits >= 4 else 32)
+    by side so each lane reads its own bank.  Every threadgroup copies it to
+    shared memory with 16-byte loads."""
     key = (id(centroids), bits, copies)
     hit = _PAIR_TABLES.get(key)
     if hit is not None and hit[0] is centroids:
@@ -50,8 +51,10 @@ def pair_table(centroids: mx.array, bits: int, copies: int = 0) -> mx.array:
     return table
 
 
-def tc8_tables(key_centroids: mx.array, key_bits: int, value_centroids: mx.array,
-               value_bits: int, cfg: dict) -> list:
-    """The two pair tables a tc8 launch reads (value copies as ``cfg`` says)."""
-    return [pair_table(key_centroids, key_bits),
-            pair_table(value_centroids, value_bits, cfg["VALUE_COPIES"])]
+def kernel_tables(key_centroids: mx.array, key_bits: int, value_centroids: mx.array,
+                  value_bits: int) -> list:
+    """The two pair tables a tensor-core launch reads, in the copies
+    ``table.table_copies`` gives (the kernels derive the same counts)."""
+    key_copies, value_copies = table_copies(key_bits, value_bits)
+    return [pair_table(key_centroids, key_bits, key_copies),
+            pair_table(value_centroids, value_bits, value_copies)]

@@ -22,7 +22,7 @@ import mlx.core as mx
 
 from . import device, table
 from .compose import value_rotation
-from .pair_tables import centroids, f32, tc8_tables
+from .pair_tables import centroids, f32, kernel_tables
 from .params import float_bits, meta, tc8_head
 from .route import Route, choose, describe
 from .sources import kernel_for
@@ -56,7 +56,7 @@ class StepPlan:
         self.shape = (blocks, warps)  # the table's launch shape unless a test or benchmark asks
         cfg = table.tc8_config(D, R, B * H_kv, 1, kc.bits, vc.bits, window=True, blocks=blocks, warps=warps)
         vrot = value_rotation(cache)
-        self.tables = tc8_tables(centroids(kc), kc.bits, centroids(vc), vc.bits, cfg)
+        self.tables = kernel_tables(centroids(kc), kc.bits, centroids(vc), vc.bits)
         self.signs, self.vsigns = cache.rotation.signs, vrot.signs
         self.max_w, self.bh = table.fused_max_window(D, R, cfg["NW"]), B * H_kv
         self.grid_yz, self.tg = (H_kv, B), (cfg["NW"] * 32, 1, 1)

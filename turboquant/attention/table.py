@@ -89,11 +89,16 @@ def tc_config(d: int, rows: int, b_hkv: int, n: int, blocks: Optional[int] = Non
     return {"GL": gl, "RT": rt, "NW": nw, "TOKS": toks, "S": -(-n // toks)}
 
 
-def tc8_value_copies(key_bits: int, value_bits: int) -> int:
-    """Copies of the value pair table: the 256-entry (4-bit) table in 32
-    copies (no 2-way bank conflicts) while both tables fit 48 KB, else 16;
-    smaller tables always 32.  Must match CV in tq_decode_tc8.inc."""
-    return 16 if value_bits == 4 and key_bits > 3 else 32
+def table_copies(key_bits: int, value_bits: int) -> tuple[int, int]:
+    """Copies of the (key, value) pair tables: 32 each (every lane its own
+    bank) while both tables fit 40 KB of shared memory, else 16 for a
+    256-entry (4-bit) table.  With 4-bit keys and 3-bit values the key table
+    in 16 copies cost lanes l and l + 16 a 2-way bank conflict on about half
+    the key lookups.  Both tensor-core kernels read them so: must match CK,
+    CV in tq_decode_tc8.inc and tq_decode_tc.inc."""
+    ek, ev = 1 << (2 * key_bits), 1 << (2 * value_bits)
+    all32 = (ek + ev) * 32 * 4 <= 40960
+    return (32 if all32 or ek < 256 else 16), (32 if all32 or ev < 256 else 16)
 
 
 def fused_max_window(d: int, rows: int, warps: Optional[int] = None) -> int:
@@ -137,7 +142,6 @@ def _tc8_config(d, rows, b_hkv, n, key_bits, value_bits, window, blocks, warps) 
     return {"NW": nw, "TOKS": toks, "S": S, "SLOTS": slots, "MINB": minb,
             "OFF_OUT": off_out, "OFF_LSE": off_lse, "OFF_PO": off_po, "OFF_PM": off_pm,
             "OFF_PL": off_pl, "WS": off_pl + b_hkv * slots * rows,
-            "VALUE_COPIES": tc8_value_copies(key_bits, value_bits),
             # the launch arguments that follow from the above (built once, not per step)
             "TEMPLATE": (("D", d), ("BK", key_bits), ("BV", value_bits), ("NW", nw)),
             "PRELUDE": launch_bounds(nw * 32, minb), "GRID_X": slots * nw * 32}

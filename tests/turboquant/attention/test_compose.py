@@ -8,7 +8,7 @@ import pytest
 from packed_fixtures import close, codec_quantize, dense_reference, fake_decode, fake_dequant, filled_cache, rel
 
 from turboquant.attention import compose, device, launchers, table, turboquant_attention
-from turboquant.attention.pair_tables import pair_table
+from turboquant.attention.pair_tables import kernel_tables, pair_table
 from turboquant.attention.reference import reference_attention
 from turboquant.codebooks import codebook
 from turboquant.codec import TurboQuantCodec
@@ -99,13 +99,12 @@ def test_window_attention_in_blocks_equals_one_block(monkeypatch):
     assert float(mx.abs(out2 - ref.reshape(B, H, G * L, D)).max()) < 1e-4
 
 
-@pytest.mark.parametrize("bits", [2, 3, 4])
-def test_pair_table_layout(bits):
+@pytest.mark.parametrize("bits,copies", [(2, 32), (3, 32), (4, 32), (4, 16)])
+def test_pair_table_layout(bits, copies):
     """Entry e = i0 | i1 << bits, copy c sits at e * copies + c and holds
     half2(c[i0], c[i1]) with c[i0] in the low 16 bits (the lower mma index)."""
     cents = codebook(bits, 128).centroids_mx()
-    table_ = np.asarray(pair_table(cents, bits))
-    copies = 16 if bits == 4 else 32
+    table_ = np.asarray(pair_table(cents, bits, copies))
     assert table_.shape == ((1 << (2 * bits)) * copies,)
     c16 = np.asarray(cents).astype(np.float16)
     for e in (0, 1, (1 << (2 * bits)) - 1, 5 % (1 << (2 * bits))):
@@ -114,8 +113,15 @@ def test_pair_table_layout(bits):
             lo = np.array([w & 0xFFFF], np.uint16).view(np.float16)[0]
             hi = np.array([w >> 16], np.uint16).view(np.float16)[0]
             assert lo == c16[e & ((1 << bits) - 1)] and hi == c16[e >> bits]
-    assert pair_table(cents, bits) is pair_table(cents, bits)  # built once
-    assert np.asarray(pair_table(cents, bits, 32)).shape == ((1 << (2 * bits)) * 32,)
+    assert pair_table(cents, bits, copies) is pair_table(cents, bits, copies)  # built once
+
+
+def test_kernel_tables_take_the_table_copies():
+    """The 3.5-bit default (4-bit keys, 3-bit values) gets both tables in 32
+    copies; 4-bit keys and values 16 each (64 KB would not fit)."""
+    k4, v3 = codebook(4, 128).centroids_mx(), codebook(3, 128).centroids_mx()
+    assert [t.size for t in kernel_tables(k4, 4, v3, 3)] == [256 * 32, 64 * 32]
+    assert [t.size for t in kernel_tables(k4, 4, k4, 4)] == [256 * 16, 256 * 16]
 
 
 def test_supports_quantize():

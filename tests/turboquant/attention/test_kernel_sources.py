@@ -80,13 +80,27 @@ def test_tc8_counter_stride_matches_the_table():
     assert table.TC8_COUNTER_WORDS * 4 == 128  # a line per (batch, kv head)
 
 
-def test_value_table_copies_match_the_kernel():
-    """The host builds the value pair table with as many copies as the kernel's CV reads."""
-    _, body = sources.kernel_source("tq_decode_tc8", "cuda")
-    assert "constexpr int CV = EV >= 256 && BK > 3 ? 16 : 32;" in body
+def test_table_copies_match_the_kernel():
+    """The host builds the pair tables with as many copies as the kernels' CK
+    and CV read; the tables and the fused step's query scratch fit 48 KB of
+    static shared memory; and a table keeps 32 copies (no bank conflicts)
+    wherever that fits."""
+    for kernel in ("tq_decode_tc8", "tq_decode_tc"):
+        _, body = sources.kernel_source(kernel, "cuda")
+        assert "constexpr bool ALL32 = (EK + EV) * 32 * 4 <= 40960;" in body
+        assert "constexpr int CK = ALL32 || EK < 256 ? 32 : 16;" in body
+        assert "constexpr int CV = ALL32 || EV < 256 ? 32 : 16;" in body
     for bk in (1, 2, 3, 4):
         for bv in (1, 2, 3, 4):
-            assert table.tc8_value_copies(bk, bv) == (16 if bv == 4 and bk > 3 else 32)
+            ek, ev = 1 << (2 * bk), 1 << (2 * bv)
+            all32 = (ek + ev) * 32 * 4 <= 40960
+            copies = table.table_copies(bk, bv)
+            assert copies == ((32 if all32 or ek < 256 else 16), (32 if all32 or ev < 256 else 16))
+            assert (ek * copies[0] + ev * copies[1]) * 4 + 8 * 128 * 4 <= 48 << 10
+            if (ek * 32 + ev * 32) * 4 + 8 * 128 * 4 <= 48 << 10:
+                assert copies == (32, 32)
+    assert table.table_copies(4, 3) == (32, 32)  # the 3.5-bit default
+    assert table.table_copies(4, 4) == (16, 16)
 
 
 def test_parameter_structs_match_the_host_layout():
