@@ -45,7 +45,7 @@ def pair_table(centroids: mx.array, bits: int, copies: int) -> mx.array:
     e = np.arange(1 << (2 * bits))
     pairs = c[e & ((1 << bits) - 1)] | (c[e >> bits] << 16)
     table = mx.array(np.repeat(pairs, copies).astype(np.uint32))
-    if len(_PAIR_TABLES) > 4096:  # ~24 KB each; one per codec in practice
+    if len(_PAIR_TABLES) > 4096:  # up to 32 KB each; one per codec in practice
         _PAIR_TABLES.clear()
     _PAIR_TABLES[key] = (centroids, table)  # holds the array: its id stays unique
     return table

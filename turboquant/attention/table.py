@@ -31,7 +31,7 @@ SIMT_SMEM_BYTES = 40960  # threadgroup memory for the cross-warp reduction
 
 # -- tq_decode_tc (tensor cores, 16-row tiles: prefill chunks and > 8 rows)
 TC_WARPS = 4
-TC_BLOCKS = 198  # below TC_LONG_TOKENS: every threadgroup copies 24 KB of tables first
+TC_BLOCKS = 198  # below TC_LONG_TOKENS: every threadgroup copies up to 40 KB of tables first
 TC_BLOCKS_LONG = 396  # one full wave of 3 per SM (~150 registers x 128 threads)
 TC_LONG_TOKENS = 1 << 18
 
