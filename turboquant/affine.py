@@ -70,14 +70,18 @@ def explain_cuda_error(exc: BaseException) -> BaseException:
     return exc
 
 
+def dequantized(cache: Any, triple: tuple) -> mx.array:
+    """A packed ``(codes, scales, biases)`` triple of the affine ``cache`` as values."""
+    return mx.dequantize(*triple, group_size=cache.group_size, bits=cache.bits)
+
+
 def dequantized_attention(queries: mx.array, keys: tuple, values: tuple, cache: "PaddedQuantizedKVCache",
                           scale: float, mask: Any) -> mx.array:
     """Attention of ``queries`` over the cache's (padded) packed ``keys`` and
     ``values`` triples, dequantized to the queries' dtype first; ``mask`` as
     :meth:`PaddedQuantizedKVCache.make_mask` returns it (padding masked)."""
-    gs, bits = cache.group_size, cache.bits
-    k = mx.dequantize(*keys, group_size=gs, bits=bits).astype(queries.dtype)
-    v = mx.dequantize(*values, group_size=gs, bits=bits).astype(queries.dtype)
+    k = dequantized(cache, keys).astype(queries.dtype)
+    v = dequantized(cache, values).astype(queries.dtype)
     return mx.fast.scaled_dot_product_attention(queries, k, v, scale=scale, mask=mask)
 
 

@@ -35,7 +35,7 @@ from typing import Optional, Sequence
 import mlx.core as mx
 from mlx_lm.models.cache import _BaseCache
 
-from .affine import dequantizes
+from .affine import dequantized, dequantizes
 from .masks import NEG
 
 DENSE_SCORES_BYTES = 256 << 20  # float32 scores of one block of a dense document
@@ -173,9 +173,7 @@ def document_partial(q: mx.array, doc) -> Optional[tuple[mx.array, mx.array]]:
     if n == 0:
         return None
     if dequantizes(doc):  # CUDA's quantized_matmul fails on these products (see affine)
-        gs, bits = doc.group_size, doc.bits
-        keys, values = (mx.dequantize(*(x[..., :n, :] for x in t), group_size=gs, bits=bits)
-                        for t in (doc.keys, doc.values))
+        keys, values = (dequantized(doc, tuple(x[..., :n, :] for x in t)) for t in (doc.keys, doc.values))
         return _dense_partial(q, keys, values, n)
     if hasattr(doc, "bits"):  # mlx's affine QuantizedKVCache
         return _affine_partial(q, doc, n)
