@@ -175,6 +175,24 @@ __device__ __forceinline__ void tq_load_u2(const unsigned int* p, unsigned int& 
   a = u.x;
   b = u.y;
 }
+// N consecutive words from a 4N-byte-aligned address: one vector load for
+// N = 4 or 2 (a template, so every lane width compiles: `if constexpr`
+// discards nothing outside one).
+template <int N>
+__device__ __forceinline__ void tq_load_words(const unsigned int* p, unsigned int (&w)[N]) {
+  if constexpr (N == 4) {
+    const uint4 u = *reinterpret_cast<const uint4*>(p);
+    w[0] = u.x;
+    w[1] = u.y;
+    w[2] = u.z;
+    w[3] = u.w;
+  } else if constexpr (N == 2) {
+    tq_load_u2(p, w[0], w[1]);
+  } else {
+#pragma unroll
+    for (int i = 0; i < N; ++i) w[i] = p[i];
+  }
+}
 // --- fused decode step (tq_decode_tc8*.inc with TC8_FUSED) --------------------
 __device__ __forceinline__ float tq_as_float(int bits) { return __int_as_float(bits); }
 // 8 consecutive elements of a 16-byte-aligned model-dtype row, as floats.
