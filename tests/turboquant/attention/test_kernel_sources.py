@@ -103,6 +103,25 @@ def test_table_copies_match_the_kernel():
     assert table.table_copies(4, 4) == (16, 16)
 
 
+def test_the_smaller_pair_table_comes_first():
+    """Both tensor-core kernels put the smaller table at byte 0, so the other
+    starts at most 16 KB in: an LDS immediate every ptxas folds (MLX 0.32.4's
+    CUDA JIT did not fold 32 KB, the 4/3 default's value-table offset when
+    keys came first: one more instruction per lookup)."""
+    _, tc8 = sources.kernel_source("tq_decode_tc8", "cuda")
+    assert "constexpr bool KT_FIRST = KT <= VT;" in tc8
+    assert "KT_OFF = KT_FIRST ? 0u : (unsigned int)VT;" in tc8
+    assert "VT_OFF = KT_FIRST ? (unsigned int)KT : 0u;" in tc8
+    _, tc = sources.kernel_source("tq_decode_tc", "cuda")
+    assert "constexpr bool KT_FIRST = EK * CK <= EV * CV;" in tc
+    assert "tq_lds(smem, KOFF + ((e << KSH) | kl4))" in tc
+    for bk in (1, 2, 3, 4):
+        for bv in (1, 2, 3, 4):
+            ck, cv = table.table_copies(bk, bv)
+            kt, vt = (1 << (2 * bk)) * ck * 4, (1 << (2 * bv)) * cv * 4
+            assert min(kt, vt) <= 16 << 10
+
+
 def test_parameter_structs_match_the_host_layout():
     common = (SOURCE_DIR / "tq_common.h").read_text()
     split = re.search(r"struct tq_split_params \{(.*?)\};", common, re.S).group(1)
