@@ -39,6 +39,13 @@ __host__ __device__ constexpr int tq_lane_words(int bits, int lanes) {
   }
   return most;
 }
+// Whether a lane's `bits` of a row of `row_words` words are whole words, 2
+// or 4 of them (its `words` registers): then they start 8- or 16-byte
+// aligned (MLX buffers are, and a view of the packed cache never cuts a
+// row) and one vector load fetches them.
+__host__ __device__ constexpr bool tq_lane_vector(int bits, int words, int row_words) {
+  return bits == 32 * words && (words == 2 || words == 4) && row_words % words == 0;
+}
 __host__ __device__ constexpr bool tq_lane_words_in_row(int bits, int lanes, int row_words) {
   for (int i = 0; i < lanes; ++i)
     if ((i * bits) / 32 + tq_lane_words(bits, lanes) > row_words) return false;
@@ -168,16 +175,10 @@ __device__ __forceinline__ void tq_cp_async16(void* smem_dst, const void* src) {
 __device__ __forceinline__ void tq_cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
 // Cache-code loads of the decode loop (plain global loads).
 __device__ __forceinline__ unsigned int tq_ldg(const unsigned int* p) { return *p; }
-// Two consecutive words from an 8-byte-aligned address: one 64-bit load
-// (the compiler cannot prove the alignment of MLX's uint32 pointers).
-__device__ __forceinline__ void tq_load_u2(const unsigned int* p, unsigned int& a, unsigned int& b) {
-  const uint2 u = *reinterpret_cast<const uint2*>(p);
-  a = u.x;
-  b = u.y;
-}
 // N consecutive words from a 4N-byte-aligned address: one vector load for
-// N = 4 or 2 (a template, so every lane width compiles: `if constexpr`
-// discards nothing outside one).
+// N = 4 or 2, which the compiler cannot emit by itself (it cannot prove the
+// alignment of MLX's uint32 pointers).  A template, so every lane width
+// compiles: `if constexpr` discards nothing outside one.
 template <int N>
 __device__ __forceinline__ void tq_load_words(const unsigned int* p, unsigned int (&w)[N]) {
   if constexpr (N == 4) {
@@ -187,7 +188,9 @@ __device__ __forceinline__ void tq_load_words(const unsigned int* p, unsigned in
     w[2] = u.z;
     w[3] = u.w;
   } else if constexpr (N == 2) {
-    tq_load_u2(p, w[0], w[1]);
+    const uint2 u = *reinterpret_cast<const uint2*>(p);
+    w[0] = u.x;
+    w[1] = u.y;
   } else {
 #pragma unroll
     for (int i = 0; i < N; ++i) w[i] = p[i];
