@@ -46,6 +46,17 @@ __host__ __device__ constexpr int tq_lane_words(int bits, int lanes) {
 __host__ __device__ constexpr bool tq_lane_vector(int bits, int words, int row_words) {
   return bits == 32 * words && (words == 2 || words == 4) && row_words % words == 0;
 }
+// Byte offsets of the key and value pair tables in shared memory, from
+// their sizes: the smaller at 0, the other right after it.  A lookup's LDS
+// then takes the second offset (at most 16 KB) as its immediate; the ptxas
+// behind MLX 0.32.4's CUDA JIT did not fold 32 KB there (one more LOP3 per
+// lookup, 9% of the 4-bit-key / 3-bit-value decode loop).
+__host__ __device__ constexpr unsigned int tq_key_table_at(int key_bytes, int value_bytes) {
+  return key_bytes <= value_bytes ? 0u : (unsigned int)value_bytes;
+}
+__host__ __device__ constexpr unsigned int tq_value_table_at(int key_bytes, int value_bytes) {
+  return key_bytes <= value_bytes ? (unsigned int)key_bytes : 0u;
+}
 __host__ __device__ constexpr bool tq_lane_words_in_row(int bits, int lanes, int row_words) {
   for (int i = 0; i < lanes; ++i)
     if ((i * bits) / 32 + tq_lane_words(bits, lanes) > row_words) return false;

@@ -108,12 +108,13 @@ def test_the_smaller_pair_table_comes_first():
     starts at most 16 KB in: an LDS immediate every ptxas folds (MLX 0.32.4's
     CUDA JIT did not fold 32 KB, the 4/3 default's value-table offset when
     keys came first: one more instruction per lookup)."""
-    _, tc8 = sources.kernel_source("tq_decode_tc8", "cuda")
-    assert "constexpr bool KT_FIRST = KT <= VT;" in tc8
-    assert "KT_OFF = KT_FIRST ? 0u : (unsigned int)VT;" in tc8
-    assert "VT_OFF = KT_FIRST ? (unsigned int)KT : 0u;" in tc8
+    header, tc8 = sources.kernel_source("tq_decode_tc8", "cuda")
+    assert "return key_bytes <= value_bytes ? 0u : (unsigned int)value_bytes;" in header
+    assert "return key_bytes <= value_bytes ? (unsigned int)key_bytes : 0u;" in header
+    assert "KT_OFF = tq_key_table_at(KT, VT), VT_OFF = tq_value_table_at(KT, VT);" in tc8
     _, tc = sources.kernel_source("tq_decode_tc", "cuda")
-    assert "constexpr bool KT_FIRST = EK * CK <= EV * CV;" in tc
+    assert "KOFF = tq_key_table_at(4 * EK * CK, 4 * EV * CV);" in tc
+    assert "VOFF = tq_value_table_at(4 * EK * CK, 4 * EV * CV);" in tc
     assert "tq_lds(smem, KOFF + ((e << KSH) | kl4))" in tc
     for bk in (1, 2, 3, 4):
         for bv in (1, 2, 3, 4):
