@@ -1,7 +1,7 @@
 """Quality of compressed KV caches on real text (SmolLM2-135M-Instruct, CPU).
 
     python -m benchmarks.quality [--json] [--quick] [--workers N] [--passages 3] [--prefill 2048]
-        [--tokens 256] [--chunk 256] [--window 128] [--bits 2.5,3,3.5,4]
+        [--tokens 256] [--chunk 256] [--window 128] [--bits 2.5,3,3.5,4] [--key-mean turned,constant]
 
 Text: the longest topics of the Python reference manual shipped with the
 standard library (``pydoc_data.topics``: the data model, compound
@@ -37,6 +37,10 @@ Configurations: float32; tqpipe at each width with the exact window off
 (``window=0``) and at ``--window``, with the scalar (Lloyd-Max) and
 trellis (``tcq``) quantizers; mlx-vlm's ``TurboQuantKVCache`` at the same
 widths; mlx-lm's affine ``QuantizedKVCache`` at 4 and 2 bits (group 64).
+tqpipe's caches centre keys as they would on this CPU: on the pre-RoPE mean
+turned to each position.  ``--key-mean constant`` adds (or, alone, runs)
+rows whose keys keep one constant mean, as caches on a GPU do (no kernel
+adds the turned mean back yet): the quality GPU users get.
 """
 
 from __future__ import annotations
@@ -84,6 +88,7 @@ class CacheConfig:
     bits: float | None = None
     window: int | None = None
     quantizer: str = "scalar"  # turboquant only
+    turned_mean: bool = True  # turboquant only; False: one constant key mean, as GPU caches keep
 
     def build(self, model: Any) -> list:
         from turboquant import make_prompt_cache
@@ -93,7 +98,11 @@ class CacheConfig:
         if self.scheme == "affine":
             return make_prompt_cache(model, kv_bits=self.bits, kv_quant_scheme="affine")
         if self.scheme == "turboquant":
-            return make_prompt_cache(model, kv_bits=self.bits, window=self.window, quantizer=self.quantizer)
+            caches = make_prompt_cache(model, kv_bits=self.bits, window=self.window, quantizer=self.quantizer)
+            if not self.turned_mean:
+                for c in caches:
+                    c.rotary = None  # what make_prompt_cache leaves where kernels read the cache
+            return caches
         if self.scheme == "mlx-vlm":
             from mlx_vlm.turboquant import TurboQuantKVCache as PeerCache
 
@@ -104,13 +113,15 @@ class CacheConfig:
 
 SCHEMES = ("fp16", "affine", "mlx-vlm", "turboquant")
 QUANTIZERS = ("scalar", "tcq")
+KEY_MEANS = ("turned", "constant")
 
 
 def default_configs(window: int, bits: Sequence[float] = (2.5, 3, 3.5, 4),
                     schemes: Sequence[str] = SCHEMES,
-                    quantizers: Sequence[str] = QUANTIZERS) -> list[CacheConfig]:
-    """float32 first, then per width: mlx-vlm, ours (window 0 and ``window``,
-    each quantizer); mlx-lm affine at 4 and 2 bits last."""
+                    quantizers: Sequence[str] = QUANTIZERS,
+                    key_means: Sequence[str] = KEY_MEANS[:1]) -> list[CacheConfig]:
+    """float32 first, then per width: mlx-vlm, ours (each quantizer, window 0
+    and ``window``, each key mean); mlx-lm affine at 4 and 2 bits last."""
     configs = [CacheConfig("float32", "fp16")]
     for b in bits:
         if "mlx-vlm" in schemes:
@@ -118,7 +129,9 @@ def default_configs(window: int, bits: Sequence[float] = (2.5, 3, 3.5, 4),
         if "turboquant" in schemes:
             for q in quantizers:
                 for w in (0, window):
-                    configs.append(CacheConfig(f"tqpipe {b:g} {q}, window {w}", "turboquant", b, w, q))
+                    for km in key_means:
+                        label = f"tqpipe {b:g} {q}, window {w}" + (", constant key mean" if km == "constant" else "")
+                        configs.append(CacheConfig(label, "turboquant", b, w, q, km == "turned"))
     if "affine" in schemes:
         configs += [CacheConfig(f"mlx-lm affine {b}-bit", "affine", b) for b in (4, 2)]
     return configs
@@ -245,6 +258,7 @@ class Result:
     top1: float = 0.0
     bytes_per_token: float = 0.0  # all layers, keys + values
     seconds: float = 0.0
+    key_mean: str = ""  # turboquant: "turned" (as on the CPU) or "constant" (as on GPUs)
 
 
 def score(ref: mx.array, other: mx.array, targets: mx.array) -> tuple[list[float], float, float]:
@@ -272,7 +286,8 @@ def _result(config: CacheConfig, base_ppl: list[float] | None, scores: tuple, ca
     return Result(config.label, config.scheme, config.bits, config.window,
                   config.quantizer if config.scheme == "turboquant" else "",
                   ppl, sum(p / b - 1 for p, b in zip(ppl, base)) / len(ppl), kl, top1,
-                  kv_bytes(caches) / (ids_shape[0] * (ids_shape[1] - 1)), seconds)
+                  kv_bytes(caches) / (ids_shape[0] * (ids_shape[1] - 1)), seconds,
+                  ("turned" if config.turned_mean else "constant") if config.scheme == "turboquant" else "")
 
 
 def check_reference(config: CacheConfig) -> None:
@@ -399,6 +414,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--bits", default="2.5,3,3.5,4")
     p.add_argument("--schemes", default=",".join(SCHEMES[1:]), help="which caches besides float32")
     p.add_argument("--quantizers", default=",".join(QUANTIZERS))
+    p.add_argument("--key-mean", default=KEY_MEANS[0],
+                   help="tqpipe's key centring: turned (as on the CPU), constant (as on GPUs), or both")
     p.add_argument("--workers", type=int, default=min(4, os.cpu_count() or 1),
                    help="processes scoring rows side by side (default: CPU cores, at most 4)")
     p.add_argument("--quick", action="store_true",
@@ -407,9 +424,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     a = p.parse_args(argv)
     if a.quick:
         a.passages, a.prefill, a.tokens, a.bits, a.quantizers = 1, 512, 32, "3.5", "scalar"
-    schemes, quantizers = a.schemes.split(","), a.quantizers.split(",")
-    if set(schemes) - set(SCHEMES[1:]) or set(quantizers) - set(QUANTIZERS):
-        p.error(f"--schemes from {', '.join(SCHEMES[1:])}; --quantizers from {', '.join(QUANTIZERS)}")
+    schemes, quantizers, key_means = a.schemes.split(","), a.quantizers.split(","), a.key_mean.split(",")
+    if set(schemes) - set(SCHEMES[1:]) or set(quantizers) - set(QUANTIZERS) or set(key_means) - set(KEY_MEANS):
+        p.error(f"--schemes from {', '.join(SCHEMES[1:])}; --quantizers from {', '.join(QUANTIZERS)}; "
+                f"--key-mean from {', '.join(KEY_MEANS)}")
 
     from pipeline.models.load import load_model
 
@@ -418,7 +436,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ids = passages(loaded.tokenizer, a.passages, a.prefill + a.tokens)
     name = loaded.name
     del loaded
-    configs = default_configs(a.window, [float(b) for b in a.bits.split(",")], schemes, quantizers)
+    configs = default_configs(a.window, [float(b) for b in a.bits.split(",")], schemes, quantizers, key_means)
     print(f"model: {name} (float32 on CPU); {a.passages} passages of pydoc_data.topics "
           f"{list(TOPICS[:a.passages])}: {a.prefill} history + {a.tokens} scored tokens each; "
           f"prefill chunk {a.chunk}; {a.workers} worker process(es), OpenBLAS on 1 thread each", flush=True)
