@@ -94,8 +94,9 @@ class CacheSpec(_Spec):
     key_bits: int | None = Field(None, description="turboquant: key bits 1-4, overriding kv_bits' split")
     value_bits: int | None = Field(None, description="turboquant: value bits 1-4, overriding kv_bits' split")
     window: int = Field(128, ge=0, description="turboquant: most recent tokens kept exact")
-    # "tcq": trellis-coded TurboQuant (same bytes, ~0.65x the attention error
-    # of "scalar" on Gaussian K/V, ~90x slower to quantize, no GPU kernels).
+    # "tcq": trellis-coded TurboQuant (same bytes, ~0.75x the attention error
+    # of "scalar" on Gaussian K/V, 14-30x slower to quantize, no GPU kernels:
+    # docs/architecture.md says why).
     quantizer: Literal["scalar", "tcq"] = Field("scalar", description="turboquant: scalar, or tcq (trellis-coded)")
     prefill_chunk: int = Field(512, gt=0, description="tokens per prefill step (bounds peak memory)")
 
