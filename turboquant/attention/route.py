@@ -124,10 +124,12 @@ def choose(c: Call, backend: Optional[str], mode: str) -> Route:
 
     Reference: kernels off (``TQ_KERNELS``, no GPU), attention sinks, no
     packed history, or a shape the kernels do not cover.  On CUDA the
-    tensor-core kernels read the packed codes for any row count without a
-    mask into the history: the fused step for a decode step (<= 8 rows, no
-    window mask, Walsh-Hadamard rotations, a window that fits shared
-    memory), tc8 or tc otherwise.  Elsewhere (and for a mask into the
+    tensor-core kernels read the packed codes without a mask into the
+    history: the fused step for a decode step (<= 8 rows, no window mask,
+    Walsh-Hadamard rotations, a window that fits shared memory), tc8 or tc
+    otherwise -- except that a prefill chunk of ``PREFILL_SDPA_ROWS`` rows
+    or more dequantizes the history for one fused SDPA while the temporary
+    fits (tc decodes the codes again for every 16-row tile).  Elsewhere (and for a mask into the
     history) SIMT up to ``PREFILL_ROWS`` rows, then dequantize + SDPA while
     its temporary fits ``PREFILL_DEQUANT_BYTES``, the reference path beyond;
     a cache centred on a turned mean takes those two only.
@@ -143,12 +145,13 @@ def choose(c: Call, backend: Optional[str], mode: str) -> Route:
         return Route.REFERENCE
     rows = c.rows
     kernel = split_k_route(backend, D, c.capacity, rows)
+    fits = dequant_bytes(c) <= table.PREFILL_DEQUANT_BYTES
+    if kernel is Route.TC and rows >= table.PREFILL_SDPA_ROWS and fits:
+        return Route.DEQUANT_SDPA
     tiled = not c.packed_mask and kernel is not Route.SIMT
     if not tiled and (c.packed_mask or rows > table.PREFILL_ROWS
                       or table.simt_config(D, rows, c.batch * c.kv_heads, 1) is None):
-        if dequant_bytes(c) > table.PREFILL_DEQUANT_BYTES:
-            return Route.REFERENCE
-        return Route.DEQUANT_SDPA
+        return Route.DEQUANT_SDPA if fits else Route.REFERENCE
     if (kernel is Route.TC8 and not c.window_mask and c.hadamard and c.value_dim == D
             and 1 <= c.window <= table.fused_max_window(D, rows)):
         return Route.FUSED_STEP

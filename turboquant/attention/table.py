@@ -16,11 +16,20 @@ from .sources import launch_bounds
 
 # -- routes around the kernels
 PREFILL_ROWS = 16  # query rows per kv head above which SIMT decode yields to dequantize + SDPA
+# Query rows per kv head from which a CUDA prefill chunk dequantizes the
+# history for MLX's fused SDPA instead of running the tc kernel: tc decodes
+# the codes again for every 16-row tile, the dequantize pass costs one read
+# of the history.  H100, 32/8 heads, d=128, warm shapes: at 1,024 rows
+# dequantize + SDPA takes 0.57-0.70x tc's time (32k-256k tokens of history),
+# at 8,192 (a 2,048-token chunk) 0.18-0.27x; at 256 rows 1.0-2.2x.
+PREFILL_SDPA_ROWS = 1024
 # Largest temporary of dequantize + SDPA: one layer's history in the model
 # dtype (keys and values, then joined with the window).  Past it the
-# blockwise reference path runs, whose extra memory is one block.  256 MiB:
-# 32k tokens x 8 kv heads x d=128 in fp16, keys and values, with the copy.
-PREFILL_DEQUANT_BYTES = 256 << 20
+# blockwise kernels run (tc on CUDA, the reference path elsewhere), whose
+# extra memory is one block.  4 GiB: 512k tokens x 8 kv heads x d=128 in
+# bf16, keys and values, with the copy -- a bounded temporary beside a cache
+# of that length (14.5 GiB for an 8B model's 512k tokens at 3.5 bits).
+PREFILL_DEQUANT_BYTES = 4 << 30
 WINDOW_SCORES_BYTES = 32 << 20  # float32 scores of one block of window queries
 
 # -- tq_decode (SIMT, every backend)

@@ -68,9 +68,20 @@ def test_cuda_decode_steps():
     assert choose(call(q_heads=18, kv_heads=2), "cuda", "auto") is Route.TC  # 9 rows: 16-row tiles
 
 
-def test_cuda_prefill_chunks_read_the_codes_in_place():
-    chunk = call(length=2048, window=2048 + 16, window_mask=True)
-    assert choose(chunk, "cuda", "auto") is Route.TC
+def test_cuda_prefill_chunks():
+    """Short chunks read the codes in place (tc); from PREFILL_SDPA_ROWS rows
+    per kv head the history is dequantized for one fused SDPA while the
+    temporary fits, and past PREFILL_DEQUANT_BYTES tc runs again."""
+    rows = table.PREFILL_SDPA_ROWS  # GQA 4: a chunk of rows / 4 tokens
+    short = call(length=rows // 4 - 1, window=rows // 4 + 15, window_mask=True)
+    assert choose(short, "cuda", "auto") is Route.TC
+    chunk = call(length=rows // 4, window=rows // 4 + 16, window_mask=True)
+    assert choose(chunk, "cuda", "auto") is Route.DEQUANT_SDPA
+    assert choose(call(length=2048, window=2048 + 16, window_mask=True), "cuda", "auto") is Route.DEQUANT_SDPA
+    per_token = dequant_bytes(call(length=2048, window=0, packed=1))  # bytes per history token
+    longest = table.PREFILL_DEQUANT_BYTES // per_token - 2048 - 16
+    assert choose(call(length=2048, window=2048 + 16, packed=longest), "cuda", "auto") is Route.DEQUANT_SDPA
+    assert choose(call(length=2048, window=2048 + 16, packed=longest + 1), "cuda", "auto") is Route.TC
     # a mask into the packed history: dequantize + SDPA, or blockwise when too big
     assert choose(call(length=64, packed_mask=True), "cuda", "auto") is Route.DEQUANT_SDPA
     assert choose(call(length=64, packed_mask=True, packed=1 << 22), "cuda", "auto") is Route.REFERENCE
