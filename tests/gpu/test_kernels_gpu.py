@@ -138,13 +138,10 @@ def test_tc8_merge_of_more_splits_than_shared_memory_weighs_at_once():
                  route=Route.TC8, blocks=1056, warps=4)
 
 
-def test_tiled_prefill_holds_no_dequantized_history(monkeypatch):
-    """A prefill chunk over a long packed history reads the codes in place:
-    peak memory grows by far less than the dequantized history would take."""
-    cuda_only()
+def _long_history(n: int, L: int):
     from turboquant.cache import TurboQuantKVCache
 
-    d, h_kv, g, n, L = 128, 8, 4, 131072, 512
+    d, h_kv, g = 128, 8, 4
     cache = TurboQuantKVCache(3.5, seed=0)
     cache.reserve(n + L)
     for a in range(0, n, 8192):
@@ -155,14 +152,39 @@ def test_tiled_prefill_holds_no_dequantized_history(monkeypatch):
     wk, wv = cache.update_and_fetch(x, x)
     q = mx.random.normal((1, h_kv * g, L, d)).astype(mx.float16)
     mx.eval(wk, wv, q)
-    dequantized = 2 * h_kv * cache.packed_len * d * 2  # fp16 keys + values
-    monkeypatch.setattr(table, "WINDOW_SCORES_BYTES", 8 << 20)  # the chunk's own scores, blocked
-    mx.eval(turboquant_attention(q, wk, wv, cache, d**-0.5, "causal"))  # one-time allocations
+    return cache, q, wk, wv, 2 * h_kv * cache.packed_len * d * 2  # fp16 keys + values
+
+
+def _peak_of(call) -> int:
+    mx.eval(call())  # one-time allocations
     mx.synchronize()
     mx.reset_peak_memory()
     before = mx.get_active_memory()
-    mx.eval(turboquant_attention(q, wk, wv, cache, d**-0.5, "causal"))
-    assert mx.get_peak_memory() - before < dequantized / 4
+    mx.eval(call())
+    return mx.get_peak_memory() - before
+
+
+def test_prefill_memory_by_route(monkeypatch):
+    """Over a long packed history a chunk below PREFILL_SDPA_ROWS reads the
+    codes in place (peak far below the dequantized history); a longer chunk
+    dequantizes it for one SDPA, a temporary bounded by the route's own
+    estimate; past PREFILL_DEQUANT_BYTES it reads the codes in place again."""
+    cuda_only()
+    from turboquant.attention.route import describe, dequant_bytes
+
+    monkeypatch.setattr(table, "WINDOW_SCORES_BYTES", 8 << 20)  # the chunk's own scores, blocked
+    d = 128
+    short_rows = table.PREFILL_SDPA_ROWS // 2
+    cache, q, wk, wv, dequantized = _long_history(131072, short_rows // 4)
+    assert _peak_of(lambda: turboquant_attention(q, wk, wv, cache, d**-0.5, "causal")) < dequantized / 4
+
+    cache, q, wk, wv, dequantized = _long_history(131072, 512)  # 2,048 rows per kv head
+    c = describe(q, wk, wv, cache, None, None, None, True)
+    assert c.rows >= table.PREFILL_SDPA_ROWS and dequant_bytes(c) <= table.PREFILL_DEQUANT_BYTES
+    peak = _peak_of(lambda: turboquant_attention(q, wk, wv, cache, d**-0.5, "causal"))
+    assert dequantized / 2 < peak <= dequant_bytes(c) * 1.1
+    monkeypatch.setattr(table, "PREFILL_DEQUANT_BYTES", dequant_bytes(c) - 1)
+    assert _peak_of(lambda: turboquant_attention(q, wk, wv, cache, d**-0.5, "causal")) < dequantized / 4
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4])

@@ -26,10 +26,12 @@ PREFILL_SDPA_ROWS = 1024
 # Largest temporary of dequantize + SDPA: one layer's history in the model
 # dtype (keys and values, then joined with the window).  Past it the
 # blockwise kernels run (tc on CUDA, the reference path elsewhere), whose
-# extra memory is one block.  4 GiB: 512k tokens x 8 kv heads x d=128 in
-# bf16, keys and values, with the copy -- a bounded temporary beside a cache
-# of that length (14.5 GiB for an 8B model's 512k tokens at 3.5 bits).
-PREFILL_DEQUANT_BYTES = 4 << 30
+# extra memory is one block.  1.25 GiB: 160k tokens x 8 kv heads x d=128 in
+# bf16, keys and values, with the copy.  Bounded this low because a whole
+# model's prefill peak grew by more than one layer's temporary: tqpipe run on
+# an H200, 8B shape, 131k tokens, 36.6 GB against 23.9 GB through tc (bf16:
+# 50.4 GB); longer histories are not measured, so they keep tc.
+PREFILL_DEQUANT_BYTES = 5 << 28
 WINDOW_SCORES_BYTES = 32 << 20  # float32 scores of one block of window queries
 
 # -- tq_decode (SIMT, every backend)
