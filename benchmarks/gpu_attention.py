@@ -47,8 +47,8 @@ from turboquant.attention.compose import dequant_sdpa_attention, split_k_attenti
 from turboquant.attention.device import backend  # noqa: E402
 from turboquant.attention.launchers import decode, quantize  # noqa: E402
 from turboquant.attention.route import split_k_route  # noqa: E402
-from turboquant.masks import as_5d, split_mask  # noqa: E402
 from turboquant.codec import TurboQuantCodec  # noqa: E402
+from turboquant.masks import as_5d, split_mask  # noqa: E402
 from turboquant.packing import packed_words  # noqa: E402
 from turboquant.policy import resolve_bits  # noqa: E402
 from turboquant.rotation import HadamardRotation  # noqa: E402

@@ -129,10 +129,11 @@ def choose(c: Call, backend: Optional[str], mode: str) -> Route:
     Walsh-Hadamard rotations, a window that fits shared memory), tc8 or tc
     otherwise -- except that a prefill chunk of ``PREFILL_SDPA_ROWS`` rows
     or more dequantizes the history for one fused SDPA while the temporary
-    fits (tc decodes the codes again for every 16-row tile).  Elsewhere (and for a mask into the
-    history) SIMT up to ``PREFILL_ROWS`` rows, then dequantize + SDPA while
-    its temporary fits ``PREFILL_DEQUANT_BYTES``, the reference path beyond;
-    a cache centred on a turned mean takes those two only.
+    fits (tc decodes the codes again for every 16-row tile).  Elsewhere
+    (and for a mask into the history) SIMT up to ``PREFILL_ROWS`` rows, then
+    dequantize + SDPA while its temporary fits ``PREFILL_DEQUANT_BYTES``, the
+    reference path beyond; a cache centred on a turned mean takes those two
+    only.
     """
     if c.sinks or not kernels_allowed(backend, mode, c.on_gpu):
         return Route.REFERENCE
