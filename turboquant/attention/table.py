@@ -21,7 +21,8 @@ PREFILL_ROWS = 16  # query rows per kv head above which SIMT decode yields to de
 # the codes again for every 16-row tile, the dequantize pass costs one read
 # of the history.  H100, 32/8 heads, d=128, warm shapes: at 1,024 rows
 # dequantize + SDPA takes 0.57-0.70x tc's time (32k-256k tokens of history),
-# at 8,192 (a 2,048-token chunk) 0.18-0.27x; at 256 rows 1.0-2.2x.
+# at 8,192 (a 2,048-token chunk) 0.18-0.27x; at 256 rows 1.0-2.2x
+# (docs/results/prefill_routes_h100.json).
 PREFILL_SDPA_ROWS = 1024
 # Largest temporary of dequantize + SDPA: one layer's history in the model
 # dtype (keys and values, then joined with the window).  Past it the
