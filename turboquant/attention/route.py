@@ -137,8 +137,9 @@ def choose(c: Call, backend: Optional[str], mode: str) -> Route:
     """
     if c.sinks or not kernels_allowed(backend, mode, c.on_gpu):
         return Route.REFERENCE
+    fits = dequant_bytes(c) <= table.PREFILL_DEQUANT_BYTES
     if c.rotary_mean:  # no kernel adds the per-key q . R(p) mean (rotary_mean_allowed)
-        return Route.DEQUANT_SDPA if dequant_bytes(c) <= table.PREFILL_DEQUANT_BYTES else Route.REFERENCE
+        return Route.DEQUANT_SDPA if fits else Route.REFERENCE
     D = c.head_dim
     supported = (c.packed > 0 and c.window_key_dim == D and D in (64, 128, 256)
                  and c.codec_dim == D and c.scalar_codes)
@@ -146,7 +147,6 @@ def choose(c: Call, backend: Optional[str], mode: str) -> Route:
         return Route.REFERENCE
     rows = c.rows
     kernel = split_k_route(backend, D, c.capacity, rows)
-    fits = dequant_bytes(c) <= table.PREFILL_DEQUANT_BYTES
     if kernel is Route.TC and rows >= table.PREFILL_SDPA_ROWS and fits:
         return Route.DEQUANT_SDPA
     tiled = not c.packed_mask and kernel is not Route.SIMT
