@@ -40,7 +40,8 @@ widths; mlx-lm's affine ``QuantizedKVCache`` at 4 and 2 bits (group 64).
 tqpipe's caches centre keys as they would on this CPU: on the pre-RoPE mean
 turned to each position.  ``--key-mean constant`` adds (or, alone, runs)
 rows whose keys keep one constant mean, as caches on a GPU do (no kernel
-adds the turned mean back yet): the quality GPU users get.
+adds the turned mean back: docs/architecture.md says why): the quality GPU
+users get.
 """
 
 from __future__ import annotations

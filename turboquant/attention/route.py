@@ -98,8 +98,10 @@ def rotary_mean_allowed(backend: Optional[str], mode: str, on_gpu: bool) -> bool
 
     Only where the packed history is read by the reference path: it and
     dequantize + SDPA add the per-key ``q . R(p) mean`` back, the kernels do
-    not (yet), and a GPU cache that took those routes for every decode step
-    would be many times slower.  So GPU caches keep the constant mean.
+    not, and a GPU cache that took those routes for every decode step would
+    be many times slower.  So GPU caches keep the constant mean.  (Its
+    per-block average, one score term per 32 packed tokens, fits the
+    kernels but cost 3-10% of a whole model's decode: docs/architecture.md.)
     """
     return not kernels_allowed(backend, mode, on_gpu)
 
