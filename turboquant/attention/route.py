@@ -101,8 +101,8 @@ def rotary_mean_allowed(backend: Optional[str], mode: str, on_gpu: bool) -> bool
     not, and a GPU cache that took those routes for every decode step would
     be many times slower.  So GPU caches keep the constant mean.  (Its
     per-block average, one score term per 32 packed tokens, fits the
-    kernels but cost a whole model's decode 3% at 32k to 9.5% at 512k:
-    docs/architecture.md.)
+    kernels but cost a whole model's decode more than 5%: the figures are
+    in docs/architecture.md.)
     """
     return not kernels_allowed(backend, mode, on_gpu)
 
