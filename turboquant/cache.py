@@ -93,6 +93,16 @@ def shrunk_mean(x: mx.array, axis: int = 2) -> mx.array:
     shrink = mx.maximum(1.0 - var / mx.maximum(n * m * m, 1e-30), 0.0)
     return m * shrink
 
+def flush_count(exact: int, window: int, flush_batch: int) -> int:
+    """Tokens an append packs when ``exact`` tokens beyond the sinks are held:
+    all beyond the window once at least ``flush_batch`` of them wait (a
+    prefill chunk always qualifies), else none.  The one rule for when
+    tokens leave the exact window (a decode step's replay reads it too:
+    ``benchmarks.quality``)."""
+    excess = exact - window
+    return excess if excess >= flush_batch else 0
+
+
 def _drop(x: mx.array, start: int, n: int) -> mx.array:
     """``x`` without tokens ``[start, start + n)`` (axis 2)."""
     if start == 0:
@@ -273,20 +283,20 @@ class TurboQuantKVCache(_BaseCache):
         return self.window_keys, self.window_values
 
     def _flush_len(self) -> int:
-        """Tokens the next ``update_and_fetch`` moves to packed storage: all
-        beyond the window once at least ``flush_batch`` of them wait (a
-        prefill chunk always qualifies), else none; none while ``hold``."""
+        """Tokens the next ``update_and_fetch`` moves to packed storage
+        (:func:`flush_count`); none while ``hold``."""
         if self.window_keys is None or self.hold:
             return 0
-        excess = self.window_keys.shape[2] - self.sink_len - self.window
-        return excess if excess >= self.flush_batch else 0
+        return flush_count(self.window_keys.shape[2] - self.sink_len, self.window, self.flush_batch)
 
-    def settle(self) -> None:
-        """Quantize every token beyond the exact window now, whatever ``flush_batch``
-        says (the last prefill chunk would otherwise wait for the next append;
-        a task that ``hold``s would keep it exact for its whole decode)."""
+    def settle(self, window: int | None = None) -> None:
+        """Quantize every token beyond the newest ``window`` (default: the
+        exact window) now, whatever ``flush_batch`` says (the last prefill
+        chunk would otherwise wait for the next append; a task that ``hold``s
+        would keep it exact for its whole decode)."""
         if self.window_keys is not None:
-            self._flush(self.window_keys.shape[2] - self.sink_len - self.window)
+            keep = self.window if window is None else max(0, int(window))
+            self._flush(self.window_keys.shape[2] - self.sink_len - keep)
 
     def _flush(self, excess: int | None = None) -> None:
         """Quantize the tokens beyond the exact window (``excess`` of them,
