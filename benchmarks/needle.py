@@ -46,7 +46,7 @@ from typing import Any, Callable, Sequence
 import turboquant  # noqa: F401  (fast CPU BLAS before mlx.core)
 import mlx.core as mx
 
-from benchmarks.quality import CacheConfig, route_peer_attention  # one place builds the caches
+from benchmarks.quality import CacheConfig  # one place builds the caches
 
 # ----------------------------------------------------------------- prompts
 _NAMES = ["Amara", "Bruno", "Chen", "Dalia", "Emil", "Farah", "Goran", "Hana", "Ivo", "Jun",

@@ -16,9 +16,12 @@ Method, per passage (all passages run as one batch):
 2. each configuration's caches are filled with that history's keys and
    values, chunk by chunk through ``update_and_fetch`` (so the compressed
    caches quantize, calibrate and flush exactly as in a chunked prefill);
-3. the scored tokens are teacher-forced one decode step at a time, so every
-   score reads the compressed history and every earlier scored token as
-   the cache holds it (quantized once it leaves the exact window).
+3. the scored tokens are teacher-forced, each read as its decode step
+   would read the cache: the compressed history and every earlier scored
+   token as the cache holds it (quantized once it leaves the exact
+   window).  All of them in one forward (``DecodeReplay`` gives each row
+   what its step reads); ``--stepwise`` runs the steps one at a time,
+   ~10x slower, for the same codes and rows within float order.
 
 Reported against the float32 cache: perplexity of the scored tokens (per
 passage and its change), mean KL(float32 || config) of the next-token
@@ -107,7 +110,7 @@ class CacheConfig:
         if self.scheme == "mlx-vlm":
             from mlx_vlm.turboquant import TurboQuantKVCache as PeerCache
 
-            route_peer_attention()
+            route_benchmark_attention()
             return [PeerCache(bits=self.bits) for _ in model.layers]
         raise ValueError(f"benchmarks.quality: unknown scheme {self.scheme!r}")
 
@@ -138,32 +141,100 @@ def default_configs(window: int, bits: Sequence[float] = (2.5, 3, 3.5, 4),
     return configs
 
 
-def route_peer_attention() -> None:
-    """Send mlx-vlm ``TurboQuantKVCache`` to mlx-vlm's own attention dispatcher.
+def route_benchmark_attention() -> None:
+    """Route the benchmark's own cache kinds in the llama module's attention
+    (after ``turboquant.install()``, so our caches keep their route), inside
+    the benchmarks only; idempotent.
 
-    mlx-vlm's cache has a ``bits`` attribute, which mlx-lm's attention would
-    send to its affine kernel; this wraps the llama module's attention (after
-    ``turboquant.install()``, so our caches keep their route), inside the
-    benchmarks only; idempotent.
+    * mlx-vlm's ``TurboQuantKVCache`` has a ``bits`` attribute, which mlx-lm's
+      attention would send to its affine kernel: it goes to mlx-vlm's own
+      dispatcher;
+    * a :class:`DecodeReplay` layer goes to our attention route with the
+      per-row mask its ``update_and_fetch`` built.
     """
     import mlx_lm.models.llama as llama_mod
-    from mlx_vlm.models import base as vlm_base
-    from mlx_vlm.turboquant import TurboQuantKVCache as PeerCache
+
+    from turboquant.attention import turboquant_attention
 
     turboquant.install()
     current = llama_mod.scaled_dot_product_attention
-    if getattr(current, "_peer_route", False):
+    if getattr(current, "_benchmark_route", False):
         return
 
     def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=None):
-        if isinstance(cache, PeerCache):
+        if isinstance(cache, DecodeReplay):
+            return turboquant_attention(queries, keys, values, cache.cache, scale, cache.mask, sinks)
+        if type(cache).__module__.startswith("mlx_vlm."):
+            from mlx_vlm.models import base as vlm_base
+
             return vlm_base.scaled_dot_product_attention(
                 queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks
             )
         return current(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
 
-    scaled_dot_product_attention._peer_route = True
+    scaled_dot_product_attention._benchmark_route = True
     llama_mod.scaled_dot_product_attention = scaled_dot_product_attention
+
+
+# ------------------------------------------------- teacher forcing, replayed
+class DecodeReplay:
+    """One layer's TurboQuant cache reading ``L`` teacher-forced tokens as
+    ``L`` decode steps would, in one forward.
+
+    Why: scoring 256 tokens one decode step at a time is 256 forwards of the
+    whole model, most of this benchmark's time; one forward of all of them
+    costs about one.  A causal forward reads the same history as the steps
+    where a cache quantizes every token it receives (float32, mlx-lm's affine
+    cache, mlx-vlm's TurboQuant: a step's query reads its own and every
+    earlier token as the cache holds them).  Ours keeps the newest tokens
+    exact and packs them in batches, so the tokens a step reads packed depend
+    on the step: ``update_and_fetch`` walks the L steps' boundaries with the
+    cache's own rule (``flush_count``), appends the tokens, packs what the
+    last step would have packed (so the cache ends as after the steps, bytes
+    included) and returns the sinks and every exact token any row reads; the
+    attention (``route_benchmark_attention``) then gives row ``t`` the packed
+    history below step ``t``'s boundary and the exact tokens from there to
+    ``t``, through our attention route.  The rows read the same codes as the
+    steps; only the float order of the attention's blocks differs.
+    """
+
+    def __init__(self, cache: Any):
+        self.cache = cache
+        self.mask: mx.array | None = None
+
+    @property
+    def offset(self) -> int:
+        return self.cache.offset
+
+    def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None) -> None:
+        return None  # the rows' mask comes from update_and_fetch
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        from turboquant.cache import flush_count
+
+        c = self.cache
+        if c.hold or c.offset < c.sinks or c.window_keys is None:
+            raise ValueError("DecodeReplay: needs a filled cache (past its sinks) that is not held")
+        s, start, L = c.sink_len, c.offset, keys.shape[2]
+        exact, packed, bounds = c.window_len - s, c.packed_len, []
+        for _ in range(L):  # each step packs, then appends its token
+            n = flush_count(exact, c.window, c.flush_batch)
+            packed, exact = packed + n, exact - n + 1
+            bounds.append(s + packed)
+        first = s + c.packed_len  # the first exact token after the sinks, now
+        wk = mx.concatenate([c.window_keys, keys], axis=2)  # sinks, then positions first..start+L-1
+        wv = mx.concatenate([c.window_values, values], axis=2)
+        c.update_and_fetch(keys, values)
+        c.settle(window=start + L - bounds[-1])
+        b = mx.array(bounds)[:, None]
+        rows = mx.arange(start, start + L)[:, None]
+        exact_pos = mx.arange(first, start + L)[None]
+        self.mask = mx.concatenate([
+            mx.ones((L, s), mx.bool_),
+            mx.arange(s, s + c.packed_len)[None] < b,
+            (exact_pos >= b) & (exact_pos <= rows),
+        ], axis=1)
+        return wk, wv
 
 
 # ----------------------------------------------------------------- running
@@ -217,7 +288,19 @@ def fill(caches: list, history: History, chunk: int) -> None:
 
 def teacher_forced(model: Any, caches: list, first: mx.array, targets: mx.array) -> mx.array:
     """Log-probabilities [B, T, V]: row t predicts ``targets[:, t]`` after the
-    history and ``targets[:, :t]``, each fed as one decode step through the cache."""
+    history and ``targets[:, :t]``, each read as T decode steps through the
+    caches would read them, in one forward (:class:`DecodeReplay`)."""
+    from turboquant.cache import TurboQuantKVCache
+
+    route_benchmark_attention()
+    layers = [DecodeReplay(c) if isinstance(c, TurboQuantKVCache) else c for c in caches]
+    lp = _logprobs(model(targets[:, :-1], cache=layers))
+    return mx.concatenate([first[:, None], lp], axis=1)
+
+
+def teacher_forced_stepwise(model: Any, caches: list, first: mx.array, targets: mx.array) -> mx.array:
+    """:func:`teacher_forced` as T decode steps of one token each (``--stepwise``:
+    what the replay reproduces, ~10x slower)."""
     rows = [first]
     for t in range(targets.shape[1] - 1):
         rows.append(_logprobs(model(targets[:, t:t + 1], cache=caches)[:, -1]))
@@ -296,23 +379,30 @@ def check_reference(config: CacheConfig) -> None:
         raise ValueError("benchmarks.quality.evaluate: the first config must be the float32 reference")
 
 
-def reference_run(model: Any, ids: mx.array, n_prefill: int, config: CacheConfig, chunk: int = 256) -> Reference:
+def scorer(stepwise: bool):
+    """The teacher-forcing function: replayed (default) or one decode step at a time."""
+    return teacher_forced_stepwise if stepwise else teacher_forced
+
+
+def reference_run(model: Any, ids: mx.array, n_prefill: int, config: CacheConfig, chunk: int = 256,
+                  stepwise: bool = False) -> Reference:
     """The float32 prefill of ``ids[:, :n_prefill]`` and its teacher-forced log-probs."""
     check_reference(config)
     history = float_prefill(model, ids[:, :n_prefill], chunk)
     targets = ids[:, n_prefill:]
     t0 = time.perf_counter()
-    lp = teacher_forced(model, history.cache, history.first, targets)
+    lp = scorer(stepwise)(model, history.cache, history.first, targets)
     result = _result(config, None, score(lp, lp, targets), history.cache, ids.shape, time.perf_counter() - t0)
     return Reference(history, targets, lp, result)
 
 
-def run_config(model: Any, ref: Reference, config: CacheConfig, chunk: int = 256) -> Result:
+def run_config(model: Any, ref: Reference, config: CacheConfig, chunk: int = 256,
+               stepwise: bool = False) -> Result:
     """One configuration: its caches filled with the float32 history, then scored."""
     t0 = time.perf_counter()
     caches = config.build(model)
     fill(caches, ref.history, chunk)
-    lp = teacher_forced(model, caches, ref.history.first, ref.targets)
+    lp = scorer(stepwise)(model, caches, ref.history.first, ref.targets)
     ids_shape = (ref.targets.shape[0], ref.history.keys[0].shape[2] + ref.targets.shape[1])
     r = _result(config, ref.result.ppl, score(ref.logprobs, lp, ref.targets), caches, ids_shape,
                 time.perf_counter() - t0)
@@ -327,13 +417,13 @@ def log_line(r: Result) -> str:
 
 
 def evaluate(model: Any, ids: mx.array, n_prefill: int, configs: Sequence[CacheConfig], *,
-             chunk: int = 256, log=lambda s: None) -> list[Result]:
+             chunk: int = 256, stepwise: bool = False, log=lambda s: None) -> list[Result]:
     """Every config on the passages ``ids`` [B, n_prefill + T] in this process; ``configs[0]`` is float32."""
-    ref = reference_run(model, ids, n_prefill, configs[0], chunk)
+    ref = reference_run(model, ids, n_prefill, configs[0], chunk, stepwise)
     results = [ref.result]
     log(log_line(ref.result))
     for config in configs[1:]:
-        results.append(run_config(model, ref, config, chunk))
+        results.append(run_config(model, ref, config, chunk, stepwise))
         log(log_line(results[-1]))
     return results
 
@@ -349,23 +439,24 @@ _WORKER: dict = {}
 
 
 def _worker_init(model_ref: str | None, ids: list[list[int]], n_prefill: int, reference: CacheConfig,
-                 chunk: int) -> None:
+                 chunk: int, stepwise: bool) -> None:
     from pipeline.models.load import load_model
 
     model = load_model(model_ref).model
     arr = mx.array(ids, dtype=mx.int32)
-    _WORKER.update(model=model, chunk=chunk, ref=reference_run(model, arr, n_prefill, reference, chunk))
+    _WORKER.update(model=model, chunk=chunk, stepwise=stepwise,
+                   ref=reference_run(model, arr, n_prefill, reference, chunk, stepwise))
 
 
 def _worker_row(config: CacheConfig | None) -> Result:
     if config is None:
         return _WORKER["ref"].result
-    return run_config(_WORKER["model"], _WORKER["ref"], config, _WORKER["chunk"])
+    return run_config(_WORKER["model"], _WORKER["ref"], config, _WORKER["chunk"], _WORKER["stepwise"])
 
 
 def evaluate_in_workers(model_ref: str | None, ids: list[list[int]], n_prefill: int,
                         configs: Sequence[CacheConfig], *, workers: int, chunk: int = 256,
-                        log=lambda s: None) -> list[Result]:
+                        stepwise: bool = False, log=lambda s: None) -> list[Result]:
     """:func:`evaluate` in ``workers`` spawned processes (each loads ``model_ref``:
     a path, or None for the built-in model); results in ``configs`` order.  A
     worker that cannot start (a model that does not load) fails the run with
@@ -379,7 +470,7 @@ def evaluate_in_workers(model_ref: str | None, ids: list[list[int]], n_prefill: 
     try:
         with ProcessPoolExecutor(max(1, workers), mp_context=multiprocessing.get_context("spawn"),
                                  initializer=_worker_init,
-                                 initargs=(model_ref, ids, n_prefill, configs[0], chunk)) as pool:
+                                 initargs=(model_ref, ids, n_prefill, configs[0], chunk, stepwise)) as pool:
             results = []
             for r in pool.map(_worker_row, [None, *configs[1:]]):
                 results.append(r)
@@ -421,6 +512,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="processes scoring rows side by side (default: CPU cores, at most 4)")
     p.add_argument("--quick", action="store_true",
                    help="CI smoke: 1 passage, 512 + 32 tokens, 3.5 bits, scalar, affine 4 and 2")
+    p.add_argument("--stepwise", action="store_true",
+                   help="score one decode step at a time through the caches (what the default "
+                        "replays in one forward; ~10x slower)")
     p.add_argument("--json", action="store_true", help="also print one JSON line")
     a = p.parse_args(argv)
     if a.quick:
@@ -440,15 +534,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     configs = default_configs(a.window, [float(b) for b in a.bits.split(",")], schemes, quantizers, key_means)
     print(f"model: {name} (float32 on CPU); {a.passages} passages of pydoc_data.topics "
           f"{list(TOPICS[:a.passages])}: {a.prefill} history + {a.tokens} scored tokens each; "
-          f"prefill chunk {a.chunk}; {a.workers} worker process(es), OpenBLAS on 1 thread each", flush=True)
+          f"prefill chunk {a.chunk}; scored {'one decode step at a time' if a.stepwise else 'in one replayed forward'}; "
+          f"{a.workers} worker process(es), OpenBLAS on 1 thread each", flush=True)
     results = evaluate_in_workers(None, ids, a.prefill, configs, workers=a.workers, chunk=a.chunk,
-                                  log=lambda s: print(s, flush=True))
+                                  stepwise=a.stepwise, log=lambda s: print(s, flush=True))
     print()
     print(format_table(results))
     print(f"\ntotal {time.perf_counter() - t0:.0f} s on {platform.machine()} CPU")
     if a.json:
         print(json.dumps({"topics": list(TOPICS[:a.passages]), "prefill": a.prefill, "tokens": a.tokens,
-                          "chunk": a.chunk, "window": a.window, "results": [asdict(r) for r in results]}))
+                          "chunk": a.chunk, "window": a.window, "stepwise": a.stepwise,
+                          "results": [asdict(r) for r in results]}))
     return 0
 
 

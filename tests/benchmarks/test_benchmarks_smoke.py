@@ -297,6 +297,45 @@ def test_quality_rows_with_a_constant_key_mean_are_caches_as_a_gpu_makes_them(ti
     assert 1e-6 < a.kl < 10 and 1e-6 < b.kl < 10 and a.kl != b.kl
 
 
+def test_replayed_teacher_forcing_reads_what_decode_steps_read(tiny_lm):
+    """One replayed forward scores the tokens as one decode step each would:
+    the caches end in the same state (offsets, packed and exact tokens,
+    bytes, the packed codes themselves) and the log-probs agree, for caches
+    that quantize every token they get and for ours with the exact window
+    off and on (window 8 packs in batches of 4 during the scored tokens)."""
+    ids = mx.array(quality.passages(CharTokenizer(), 2, 300 + 24), dtype=mx.int32)
+    history = quality.float_prefill(tiny_lm, ids[:, :300], 64)
+    targets = ids[:, 300:]
+    configs = [quality.CacheConfig("float32", "fp16"), quality.CacheConfig("affine 4", "affine", 4),
+               quality.CacheConfig("ours, window 0", "turboquant", 3.5, 0),
+               quality.CacheConfig("ours, window 8", "turboquant", 3.5, 8),
+               quality.CacheConfig("ours tcq, window 0", "turboquant", 2.5, 0, "tcq"),
+               quality.CacheConfig("ours, window 8, constant mean", "turboquant", 3.5, 8, "scalar", False),
+               quality.CacheConfig("mlx-vlm 3.5", "mlx-vlm", 3.5)]
+    for config in configs:
+        runs = []
+        for score_fn in (quality.teacher_forced_stepwise, quality.teacher_forced):
+            caches = config.build(tiny_lm)
+            quality.fill(caches, history, 64)
+            runs.append((score_fn(tiny_lm, caches, history.first, targets), caches))
+        (lp_steps, steps), (lp_replay, replay) = runs
+        assert lp_replay.shape == lp_steps.shape == (2, 24, 128)
+        assert mx.allclose(lp_replay, lp_steps, atol=1e-3).item(), config.label
+        assert quality.kv_bytes(replay) == quality.kv_bytes(steps), config.label
+        assert [c.offset for c in replay] == [c.offset for c in steps] == [323, 323]
+        if config.scheme == "turboquant":
+            assert [(c.packed_len, c.window_len) for c in replay] == [(c.packed_len, c.window_len) for c in steps]
+            # the first layer's keys do not depend on attention: same codes bit for bit
+            a, b = replay[0], steps[0]
+            assert mx.array_equal(a.keys_packed[:, :, :a.packed_len], b.keys_packed[:, :, :b.packed_len]).item()
+    # window 0 packs all but the newest token; window 8 keeps 9-12 exact (it packs 4 at a time)
+    w0, w8 = (c.build(tiny_lm) for c in configs[2:4])
+    for caches in (w0, w8):
+        quality.fill(caches, history, 64)
+        quality.teacher_forced(tiny_lm, caches, history.first, targets)
+    assert w0[0].window_len - w0[0].sink_len == 1 and 8 < w8[0].window_len - w8[0].sink_len <= 12
+
+
 @pytest.mark.slow
 def test_quality_rows_in_workers_do_not_depend_on_the_worker_count(tmp_path):
     """Spawned workers (one OpenBLAS thread each) load the model from its
