@@ -18,7 +18,9 @@ Per (context, cache) one row:
   the same cache (rewound between the two), tokens after the first;
 * ``ttft_s``: time to first token of a real chunked prefill through the
   engine (``Engine.prefill`` + the task suffix + first sample) for contexts
-  up to ``--ttft-max`` (default 131072), else null: longer caches are filled
+  up to ``--ttft-max`` (default 131072), after an untimed prefill of two
+  chunks (so kernel builds and first launches count in no row, whichever
+  runs first), else null: longer caches are filled
   with random keys/values layer by layer (``update_and_fetch`` in chunks),
   which costs what a prefill's cache writes cost but skips its attention;
 * ``kv_bytes``: the cache's bytes for its tokens; ``peak_bytes``: MLX's peak
@@ -160,14 +162,20 @@ def measure_row(model, cfg: dict, context: int, cache: str, *, tokens: int, chun
     engine = Engine(loaded, cache_spec(cache, chunk))
     task = TaskSpec(name="t", prompt="x", max_tokens=tokens)
     suffix = [11, 12, 13, 14]
-    mx.clear_cache()
-    mx.reset_peak_memory()
     ttft = None
     if context <= ttft_max:
         ids = [(7 * i + 3) % 4000 + 100 for i in range(context)]
-        prompt = DocumentPrompt(prefix_ids=ids, task_ids={"t": suffix}, page_offsets={1: 0},
-                                included_pages=[1], skipped_pages=[])
+
+        def prompt_of(n: int) -> DocumentPrompt:
+            return DocumentPrompt(prefix_ids=ids[:n], task_ids={"t": suffix}, page_offsets={1: 0},
+                                  included_pages=[1], skipped_pages=[])
+
         first = TaskSpec(name="t", prompt="x", max_tokens=1)
+        engine.run_task(engine.prefill(prompt_of(min(context, 2 * chunk))), first, suffix)  # warm-up
+        engine.cache = None
+        mx.clear_cache()
+        mx.reset_peak_memory()
+        prompt = prompt_of(context)
         t0 = time.perf_counter()
         state = engine.prefill(prompt, reserve=len(suffix) + tokens)
         engine.run_task(state, first, suffix)
@@ -175,6 +183,8 @@ def measure_row(model, cfg: dict, context: int, cache: str, *, tokens: int, chun
     else:
         from pipeline.inference.engine import _make_cache
 
+        mx.clear_cache()
+        mx.reset_peak_memory()
         engine.cache = _make_cache(model, engine.cache_spec)
         _fill(engine.cache, cfg, context, dtype)
         state = _state(engine, context)
