@@ -21,7 +21,7 @@ Method, per passage (all passages run as one batch):
    token as the cache holds it (quantized once it leaves the exact
    window).  All of them in one forward (``DecodeReplay`` gives each row
    what its step reads); ``--stepwise`` runs the steps one at a time,
-   ~10x slower, for the same codes and rows within float order.
+   ~10x slower, for the same rows within float order.
 
 Reported against the float32 cache: perplexity of the scored tokens (per
 passage and its change), mean KL(float32 || config) of the next-token
@@ -194,8 +194,10 @@ class DecodeReplay:
     included) and returns the sinks and every exact token any row reads; the
     attention (``route_benchmark_attention``) then gives row ``t`` the packed
     history below step ``t``'s boundary and the exact tokens from there to
-    ``t``, through our attention route.  The rows read the same codes as the
-    steps; only the float order of the attention's blocks differs.
+    ``t``, through our attention route.  Each row reads the same tokens
+    packed and exact as its step; only the float order of the attention's
+    blocks differs, which can flip a later token's code near a cell boundary
+    (bit-identical on the test model; the figures are in docs/benchmarks.md).
     """
 
     def __init__(self, cache: Any):
