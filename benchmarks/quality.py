@@ -41,10 +41,11 @@ Configurations: float32; tqpipe at each width with the exact window off
 trellis (``tcq``) quantizers; mlx-vlm's ``TurboQuantKVCache`` at the same
 widths; mlx-lm's affine ``QuantizedKVCache`` at 4 and 2 bits (group 64).
 tqpipe's caches centre keys as they would on this CPU: on the pre-RoPE mean
-turned to each position.  ``--key-mean constant`` adds (or, alone, runs)
-rows whose keys keep one constant mean, as caches on a GPU do (no kernel
-adds the turned mean back: docs/architecture.md says why): the quality GPU
-users get.
+turned to each position.  ``--key-mean blocks`` adds (or, alone, runs) rows
+whose keys are centred on that mean averaged over each block of 32 packed
+tokens, as caches on a GPU are (the kernels add one score term per block
+back): the quality GPU users get.  ``constant``: one constant key mean, as
+GPU caches had before the kernels took the block term.
 """
 
 from __future__ import annotations
@@ -92,7 +93,7 @@ class CacheConfig:
     bits: float | None = None
     window: int | None = None
     quantizer: str = "scalar"  # turboquant only
-    turned_mean: bool = True  # turboquant only; False: one constant key mean, as GPU caches keep
+    key_mean: str = "turned"  # turboquant only: "turned" (CPU), "blocks" (GPU), "constant" (no RoPE term)
 
     def build(self, model: Any) -> list:
         from turboquant import make_prompt_cache
@@ -103,9 +104,10 @@ class CacheConfig:
             return make_prompt_cache(model, kv_bits=self.bits, kv_quant_scheme="affine")
         if self.scheme == "turboquant":
             caches = make_prompt_cache(model, kv_bits=self.bits, window=self.window, quantizer=self.quantizer)
-            if not self.turned_mean:
-                for c in caches:
-                    c.rotary = None  # what make_prompt_cache leaves where kernels read the cache
+            for c in caches:  # whatever this machine would choose: the row's key centring
+                c.mean_blocks = self.key_mean == "blocks"
+                if self.key_mean == "constant":
+                    c.rotary = None
             return caches
         if self.scheme == "mlx-vlm":
             from mlx_vlm.turboquant import TurboQuantKVCache as PeerCache
@@ -117,7 +119,8 @@ class CacheConfig:
 
 SCHEMES = ("fp16", "affine", "mlx-vlm", "turboquant")
 QUANTIZERS = ("scalar", "tcq")
-KEY_MEANS = ("turned", "constant")
+KEY_MEANS = ("turned", "blocks", "constant")
+KEY_MEAN_LABELS = {"turned": "", "blocks": ", block key mean", "constant": ", constant key mean"}
 
 
 def default_configs(window: int, bits: Sequence[float] = (2.5, 3, 3.5, 4),
@@ -134,8 +137,8 @@ def default_configs(window: int, bits: Sequence[float] = (2.5, 3, 3.5, 4),
             for q in quantizers:
                 for w in (0, window):
                     for km in key_means:
-                        label = f"tqpipe {b:g} {q}, window {w}" + (", constant key mean" if km == "constant" else "")
-                        configs.append(CacheConfig(label, "turboquant", b, w, q, km == "turned"))
+                        label = f"tqpipe {b:g} {q}, window {w}" + KEY_MEAN_LABELS[km]
+                        configs.append(CacheConfig(label, "turboquant", b, w, q, km))
     if "affine" in schemes:
         configs += [CacheConfig(f"mlx-lm affine {b}-bit", "affine", b) for b in (4, 2)]
     return configs
@@ -344,7 +347,7 @@ class Result:
     top1: float = 0.0
     bytes_per_token: float = 0.0  # all layers, keys + values
     seconds: float = 0.0
-    key_mean: str = ""  # turboquant: "turned" (as on the CPU) or "constant" (as on GPUs)
+    key_mean: str = ""  # turboquant: "turned" (as on the CPU), "blocks" (as on GPUs) or "constant"
 
 
 def score(ref: mx.array, other: mx.array, targets: mx.array) -> tuple[list[float], float, float]:
@@ -373,7 +376,7 @@ def _result(config: CacheConfig, base_ppl: list[float] | None, scores: tuple, ca
                   config.quantizer if config.scheme == "turboquant" else "",
                   ppl, sum(p / b - 1 for p, b in zip(ppl, base)) / len(ppl), kl, top1,
                   kv_bytes(caches) / (ids_shape[0] * (ids_shape[1] - 1)), seconds,
-                  ("turned" if config.turned_mean else "constant") if config.scheme == "turboquant" else "")
+                  config.key_mean if config.scheme == "turboquant" else "")
 
 
 def check_reference(config: CacheConfig) -> None:
@@ -509,7 +512,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--schemes", default=",".join(SCHEMES[1:]), help="which caches besides float32")
     p.add_argument("--quantizers", default=",".join(QUANTIZERS))
     p.add_argument("--key-mean", default=KEY_MEANS[0],
-                   help="tqpipe's key centring: turned (as on the CPU), constant (as on GPUs), or both")
+                   help="tqpipe's key centring, comma-separated: turned (as on the CPU), blocks (as on GPUs), "
+                        "constant (one mean, no RoPE term)")
     p.add_argument("--workers", type=int, default=min(4, os.cpu_count() or 1),
                    help="processes scoring rows side by side (default: CPU cores, at most 4)")
     p.add_argument("--quick", action="store_true",

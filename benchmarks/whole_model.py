@@ -2,7 +2,9 @@
 
     python -m benchmarks.whole_model --json OUT.json [--contexts 32768,131072,524288,1048576]
         [--caches bf16,turboquant-2.5,turboquant-3.5,turboquant-4,affine-4] [--shape 8b] [--tokens 64]
-        (also turboquant-kKvV: explicit key/value widths, e.g. turboquant-k3v4)
+        (also turboquant-kKvV: explicit key/value widths, e.g. turboquant-k3v4; a TurboQuant
+        name + "/constant-mean": keys on one constant mean, no per-block RoPE term, the baseline
+        of the block mean's cost)
     python -m benchmarks.whole_model --tiny --json OUT.json     # CPU smoke (CI): tiny shape, short contexts
 
 Model: ``scripts/build_model.py``'s architecture (``--shape``: Llama-3.1-8B
@@ -44,6 +46,7 @@ import platform
 import re
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -60,20 +63,48 @@ HEADROOM = 0.92  # share of device memory a run may plan to use
 
 
 SPLIT_CACHE = re.compile(r"turboquant-k([1-4])v([1-4])")  # explicit key/value widths, e.g. turboquant-k3v4
+CONSTANT_MEAN = "/constant-mean"  # suffix: TurboQuant keys on one constant mean (no block term)
 
 
 def known_cache(cache: str) -> bool:
-    return cache in CACHES or SPLIT_CACHE.fullmatch(cache) is not None
+    base, constant = _base(cache)
+    return (base in CACHES or SPLIT_CACHE.fullmatch(base) is not None) and (
+        not constant or base.startswith("turboquant"))
+
+
+def _base(cache: str) -> tuple[str, bool]:
+    """(the cache name without the constant-mean suffix, whether it had it)."""
+    return (cache[: -len(CONSTANT_MEAN)], True) if cache.endswith(CONSTANT_MEAN) else (cache, False)
 
 
 def cache_order(cache: str) -> tuple[int, str]:
-    return (CACHES.index(cache) if cache in CACHES else len(CACHES), cache)
+    base = _base(cache)[0]
+    return (CACHES.index(base) if base in CACHES else len(CACHES), cache)
+
+
+@contextmanager
+def key_centring(cache: str):
+    """While a ``/constant-mean`` row runs, its TurboQuant caches get no RoPE
+    angles, so keys keep one constant mean and the kernels no per-block
+    score term: the same bytes and codes, without the term's cost."""
+    import turboquant.prompt_cache as pc
+
+    if not _base(cache)[1]:
+        yield
+        return
+    real = pc._layer_rotaries
+    pc._layer_rotaries = lambda model: {}
+    try:
+        yield
+    finally:
+        pc._layer_rotaries = real
 
 
 def cache_spec(cache: str, chunk: int):
     """The job's ``CacheSpec`` for a row's cache name."""
     from pipeline.schema.job import CacheSpec
 
+    cache = _base(cache)[0]
     if cache == "bf16":
         return CacheSpec(kv_quant_scheme="fp16", prefill_chunk=chunk)
     split = SPLIT_CACHE.fullmatch(cache)
@@ -254,7 +285,8 @@ def main(argv: list[str] | None = None) -> dict:
     caches = [c for c in a.caches.split(",") if c]
     unknown = [c for c in caches if not known_cache(c)]
     if unknown:
-        ap.error(f"unknown caches {unknown}; choose from {', '.join(CACHES)} or turboquant-kKvV")
+        ap.error(f"unknown caches {unknown}; choose from {', '.join(CACHES)} or turboquant-kKvV "
+                 f"(TurboQuant ones with an optional {CONSTANT_MEAN})")
     tokens = a.tokens or (8 if a.tiny else 64)
     chunk = min(a.chunk, 256) if a.tiny else a.chunk
     ttft_max = a.ttft_max if a.ttft_max is not None else (512 if a.tiny else 131072)
@@ -264,7 +296,10 @@ def main(argv: list[str] | None = None) -> dict:
     budget = device_bytes() * HEADROOM
     rows = []
     small = min(8192, min(contexts))
-    per_token = {c: bytes_per_token(model, cfg, c, dtype, small) for c in caches}
+    per_token = {}
+    for c in caches:
+        with key_centring(c):
+            per_token[c] = bytes_per_token(model, cfg, c, dtype, small)
     for context in contexts:
         for cache in caches:
             if wbytes + per_token[cache] * context * 1.05 > budget:
@@ -273,7 +308,9 @@ def main(argv: list[str] | None = None) -> dict:
                              "kv_bytes": int(per_token[cache] * context), "peak_bytes": None})
                 print(json.dumps(rows[-1]), flush=True)
                 continue
-            row = measure_row(model, cfg, context, cache, tokens=tokens, chunk=chunk, ttft_max=ttft_max, dtype=dtype)
+            with key_centring(cache):
+                row = measure_row(model, cfg, context, cache, tokens=tokens, chunk=chunk, ttft_max=ttft_max,
+                                  dtype=dtype)
             per_token[cache] = row["kv_bytes"] / context  # the longest measured context is the best estimate
             rows.append(row)
             print(json.dumps(row), flush=True)

@@ -5,7 +5,8 @@
 #pragma once
 
 #define TQ_INLINE __device__ __forceinline__
-#define TQ_SHARED __shared__
+#define TQ_SHARED __shared__            // threadgroup memory (a declaration)
+#define TQ_SHARED_PTR                 // (a pointer into it: no address-space qualifier)
 #define TQ_DEVICE                     // global pointers need no qualifier
 #define TQ_BARRIER() __syncthreads()
 #define TQ_SHFL_XOR(x, m) __shfl_xor_sync(0xffffffffu, (x), (m))
@@ -17,6 +18,7 @@
 #define TQ_FMAX(a, b) fmaxf((a), (b))
 #define TQ_NEG_INF (-__int_as_float(0x7f800000))
 #define TQ_FLOAT2(a, b) make_float2((a), (b))
+#define TQ_FLOAT4(a, b, c, d) make_float4((a), (b), (c), (d))
 #define TQ_TO_FLOAT(x) static_cast<float>(x)
 #define TQ_TO_HALF(x) __float2half_rn(x)
 #define TQ_HALF __half

@@ -8,6 +8,7 @@ using namespace metal;
 
 #define TQ_INLINE inline
 #define TQ_SHARED threadgroup
+#define TQ_SHARED_PTR threadgroup      // the address space of a pointer into it
 #define TQ_DEVICE device
 #define TQ_BARRIER() threadgroup_barrier(mem_flags::mem_threadgroup)
 #define TQ_SHFL_XOR(x, m) simd_shuffle_xor((x), (ushort)(m))
@@ -19,6 +20,7 @@ using namespace metal;
 #define TQ_FMAX(a, b) metal::fmax((a), (b))
 #define TQ_NEG_INF (-INFINITY)
 #define TQ_FLOAT2(a, b) float2((a), (b))
+#define TQ_FLOAT4(a, b, c, d) float4((a), (b), (c), (d))
 #define TQ_TO_FLOAT(x) static_cast<float>(x)
 #define TQ_TO_HALF(x) static_cast<half>(x)
 #define TQ_HALF half

@@ -36,6 +36,19 @@ TQ_INLINE float tq_safe_max(float m) {
   return m == TQ_NEG_INF ? 0.0f : m;
 }
 
+// Key bias of a cache centred on a block mean (turboquant/rotary.py): the
+// packed keys lost q . mu_b, one value per query row and block b of 32
+// packed tokens (rotary.MEAN_BLOCK), which the decode kernels add to every
+// score of the block.  Layout kb [B*HKV][ceil(n/32)][RP], log2 units (scale
+// and log2(e) folded in), RP = the rows rounded up to a multiple of 8 (pad
+// rows zero), so a tc8 lane's two rows (2t, 2t+1) are one aligned float2.
+TQ_INLINE int tq_key_bias_rows(int rows) {
+  return ((rows + 7) >> 3) << 3;
+}
+TQ_INLINE long tq_key_bias_at(long bh, int n, int block, int rp) {
+  return (bh * (long)((n + 31) >> 5) + block) * rp;
+}
+
 // Launch parameters.  MLX custom kernels take arrays, not scalars, so the
 // host passes these as an int32 array `meta` in field order
 // (turboquant/attention/params.py builds it) and a body reads it through
@@ -48,7 +61,8 @@ struct tq_split_params {
   int toks;       // tokens per split
   int hkv;        // kv heads
   int splits;     // splits S per (batch, kv head)
-  int rows;       // query rows R per kv head (tq_decode_tc, tq_decode_reduce)
+  int rows;       // query rows R per kv head (tq_decode_tc, tq_decode_reduce);
+                  // tq_dequant: mean rows per head (1, or one per 32 tokens)
   int row_tiles;  // tiles of 16 rows, ceil(R / 16) (tq_decode_tc)
 };
 

@@ -71,9 +71,10 @@ def compile_cuda(src: str, name: str, arch: str = "sm_90", cubin: str = "") -> t
     return binary is not None, log
 
 
-# decode kernel inputs: q, kp, kn, vp, vn, key/value codebooks (SIMT) or pair tables (tensor cores), meta
-_SIMT_INS = ["float32", "uint32", "float16", "uint32", "float16", "float32", "float32", "int32"]
-_TC_INS = ["float32", "uint32", "float16", "uint32", "float16", "uint32", "uint32", "int32"]
+# decode kernel inputs: q, kp, kn, vp, vn, key/value codebooks (SIMT) or pair
+# tables (tensor cores), meta, the key bias of a block-mean cache (KB = 1)
+_SIMT_INS = ["float32", "uint32", "float16", "uint32", "float16", "float32", "float32", "int32", "float32"]
+_TC_INS = ["float32", "uint32", "float16", "uint32", "float16", "uint32", "uint32", "int32", "float32"]
 
 
 def _fused_ins(dtype: str) -> list[str]:
@@ -87,54 +88,73 @@ def _fused_ins(dtype: str) -> list[str]:
 # key_bits/value_bits still select (3/4, 2/3), head dims 64/128/256.
 CASES = [
     ("tq_decode", _SIMT_INS, ["float32"] * 3,
-     [("D", 128), ("BK", 3), ("BV", 4), ("GL", 4), ("DPT", 16), ("NW", 8), ("U", 4)]),
+     [("D", 128), ("BK", 3), ("BV", 4), ("GL", 4), ("DPT", 16), ("NW", 8), ("U", 4), ("KB", 0)]),
     ("tq_decode", _SIMT_INS, ["float32"] * 3,
-     [("D", 256), ("BK", 2), ("BV", 3), ("GL", 8), ("DPT", 8), ("NW", 4), ("U", 4)]),
+     [("D", 256), ("BK", 2), ("BV", 3), ("GL", 8), ("DPT", 8), ("NW", 4), ("U", 4), ("KB", 0)]),
     ("tq_decode", _SIMT_INS, ["float32"] * 3,
-     [("D", 64), ("BK", 4), ("BV", 4), ("GL", 1), ("DPT", 16), ("NW", 8), ("U", 4)]),
+     [("D", 64), ("BK", 4), ("BV", 4), ("GL", 1), ("DPT", 16), ("NW", 8), ("U", 4), ("KB", 0)]),
     ("tq_decode", _SIMT_INS, ["float32"] * 3,
-     [("D", 128), ("BK", 4), ("BV", 3), ("GL", 4), ("DPT", 16), ("NW", 8), ("U", 4)]),
+     [("D", 128), ("BK", 4), ("BV", 3), ("GL", 4), ("DPT", 16), ("NW", 8), ("U", 4), ("KB", 0)]),
     ("tq_decode", _SIMT_INS, ["float32"] * 3,
-     [("D", 64), ("BK", 3), ("BV", 2), ("GL", 4), ("DPT", 16), ("NW", 8), ("U", 4)]),
-    ("tq_decode_tc", _TC_INS, ["float32"] * 3, [("D", 128), ("BK", 4), ("BV", 3), ("GL", 16), ("NW", 4)]),
-    ("tq_decode_tc", _TC_INS, ["float32"] * 3, [("D", 64), ("BK", 3), ("BV", 2), ("GL", 8), ("NW", 4)]),
-    ("tq_decode_tc", _TC_INS, ["float32"] * 3, [("D", 128), ("BK", 3), ("BV", 4), ("GL", 16), ("NW", 4)]),
-    ("tq_decode_tc", _TC_INS, ["float32"] * 3, [("D", 128), ("BK", 2), ("BV", 3), ("GL", 8), ("NW", 4)]),
-    ("tq_decode_tc", _TC_INS, ["float32"] * 3, [("D", 64), ("BK", 3), ("BV", 3), ("GL", 1), ("NW", 4)]),
-    ("tq_decode_tc8", _TC_INS, ["float32"], [("D", 128), ("BK", 4), ("BV", 3), ("NW", 8), ("MINB", 2)]),
-    ("tq_decode_tc8", _TC_INS, ["float32"], [("D", 128), ("BK", 3), ("BV", 2), ("NW", 8), ("MINB", 2)]),
+     [("D", 64), ("BK", 3), ("BV", 2), ("GL", 4), ("DPT", 16), ("NW", 8), ("U", 4), ("KB", 0)]),
+    ("tq_decode_tc", _TC_INS, ["float32"] * 3, [("D", 128), ("BK", 4), ("BV", 3), ("GL", 16), ("NW", 4), ("KB", 0)]),
+    ("tq_decode_tc", _TC_INS, ["float32"] * 3, [("D", 64), ("BK", 3), ("BV", 2), ("GL", 8), ("NW", 4), ("KB", 0)]),
+    ("tq_decode_tc", _TC_INS, ["float32"] * 3, [("D", 128), ("BK", 3), ("BV", 4), ("GL", 16), ("NW", 4), ("KB", 0)]),
+    ("tq_decode_tc", _TC_INS, ["float32"] * 3, [("D", 128), ("BK", 2), ("BV", 3), ("GL", 8), ("NW", 4), ("KB", 0)]),
+    ("tq_decode_tc", _TC_INS, ["float32"] * 3, [("D", 64), ("BK", 3), ("BV", 3), ("GL", 1), ("NW", 4), ("KB", 0)]),
+    ("tq_decode_tc8", _TC_INS, ["float32"], [("D", 128), ("BK", 4), ("BV", 3), ("NW", 8), ("KB", 0), ("MINB", 2)]),
+    ("tq_decode_tc8", _TC_INS, ["float32"], [("D", 128), ("BK", 3), ("BV", 2), ("NW", 8), ("KB", 0), ("MINB", 2)]),
     # task rows over one document (shared_prefix): rows x group per kv head,
     # e.g. 3 tasks x 4 (8B shape) = 12, 4 x 4 = 16 rows on d=128 and d=64 (1B)
-    ("tq_decode_tc", _TC_INS, ["float32"] * 3, [("D", 128), ("BK", 3), ("BV", 4), ("GL", 12), ("NW", 4)]),
-    ("tq_decode_tc", _TC_INS, ["float32"] * 3, [("D", 128), ("BK", 2), ("BV", 3), ("GL", 16), ("NW", 4)]),
-    ("tq_decode_tc", _TC_INS, ["float32"] * 3, [("D", 64), ("BK", 3), ("BV", 4), ("GL", 16), ("NW", 4)]),
-    ("tq_decode_tc8", _TC_INS, ["float32"], [("D", 128), ("BK", 3), ("BV", 4), ("NW", 8), ("MINB", 2)]),
-    ("tq_decode_tc8", _TC_INS, ["float32"], [("D", 128), ("BK", 4), ("BV", 4), ("NW", 8), ("MINB", 2)]),
-    ("tq_decode_tc8", _TC_INS, ["float32"], [("D", 64), ("BK", 2), ("BV", 3), ("NW", 8), ("MINB", 2)]),
+    ("tq_decode_tc", _TC_INS, ["float32"] * 3, [("D", 128), ("BK", 3), ("BV", 4), ("GL", 12), ("NW", 4), ("KB", 0)]),
+    ("tq_decode_tc", _TC_INS, ["float32"] * 3, [("D", 128), ("BK", 2), ("BV", 3), ("GL", 16), ("NW", 4), ("KB", 0)]),
+    ("tq_decode_tc", _TC_INS, ["float32"] * 3, [("D", 64), ("BK", 3), ("BV", 4), ("GL", 16), ("NW", 4), ("KB", 0)]),
+    ("tq_decode_tc8", _TC_INS, ["float32"], [("D", 128), ("BK", 3), ("BV", 4), ("NW", 8), ("KB", 0), ("MINB", 2)]),
+    ("tq_decode_tc8", _TC_INS, ["float32"], [("D", 128), ("BK", 4), ("BV", 4), ("NW", 8), ("KB", 0), ("MINB", 2)]),
+    ("tq_decode_tc8", _TC_INS, ["float32"], [("D", 64), ("BK", 2), ("BV", 3), ("NW", 8), ("KB", 0), ("MINB", 2)]),
     ("tq_decode_tc8_fused", _fused_ins("float16"), ["float32", "float16"],  # the default step (3.5)
-     [("D", 128), ("BK", 4), ("BV", 3), ("NW", 8), ("MINB", 2)]),
+     [("D", 128), ("BK", 4), ("BV", 3), ("NW", 8), ("KB", 0), ("TRAD", 0), ("MINB", 2)]),
     ("tq_decode_tc8_fused", _fused_ins("bfloat16"), ["float32", "bfloat16"],  # 2.5
-     [("D", 64), ("BK", 3), ("BV", 2), ("NW", 8), ("MINB", 2)]),
+     [("D", 64), ("BK", 3), ("BV", 2), ("NW", 8), ("KB", 0), ("TRAD", 0), ("MINB", 2)]),
     ("tq_decode_tc8_fused", _fused_ins("float16"), ["float32", "float16"],
-     [("D", 128), ("BK", 3), ("BV", 4), ("NW", 8), ("MINB", 2)]),
+     [("D", 128), ("BK", 3), ("BV", 4), ("NW", 8), ("KB", 0), ("TRAD", 0), ("MINB", 2)]),
     ("tq_decode_tc8_fused", _fused_ins("bfloat16"), ["float32", "bfloat16"],
-     [("D", 64), ("BK", 2), ("BV", 3), ("NW", 8), ("MINB", 2)]),
+     [("D", 64), ("BK", 2), ("BV", 3), ("NW", 8), ("KB", 0), ("TRAD", 0), ("MINB", 2)]),
     ("tq_decode_tc8_fused", _fused_ins("float32"), ["float32", "float32"],
-     [("D", 128), ("BK", 4), ("BV", 4), ("NW", 8), ("MINB", 2)]),
+     [("D", 128), ("BK", 4), ("BV", 4), ("NW", 8), ("KB", 0), ("TRAD", 0), ("MINB", 2)]),
     ("tq_decode_reduce", ["float32", "float32", "float32", "int32"], ["float32"] * 2, [("D", 128)]),
     ("tq_dequant", ["uint32", "float16", "float32", "float32", "int32"], ["float16"],
      [("D", 128), ("BITS", 3), ("T", "float16")]),
     ("tq_dequant", ["uint32", "float16", "float32", "float32", "int32"], ["bfloat16"],
      [("D", 128), ("BITS", 3), ("T", "bfloat16")]),
+    ("tq_key_bias", ["bfloat16", "float32", "float32", "float32", "int32"], ["float32"],
+     [("D", 128), ("DIMS", 128), ("TRAD", 0)]),
+    ("tq_key_bias", ["float32", "float32", "float32", "float32", "int32"], ["float32"],
+     [("D", 64), ("DIMS", 32), ("TRAD", 1)]),
     ("tq_quantize", ["float16", "float32", "float32", "float32", "float32"], ["uint32", "float16"],
      [("D", 128), ("BITS", 3), ("NA", 9), ("T", "float16")]),
     ("tq_quantize", ["float32", "float32", "float32", "float32", "float32"], ["uint32", "float16"],
      [("D", 64), ("BITS", 2), ("NA", 9), ("T", "float32")]),
-]
+    # caches centred on a block mean (the key bias, KB = 1): what GPU caches
+    # of a model with a known RoPE launch, at the shapes above
+    ("tq_decode", _SIMT_INS, ["float32"] * 3,
+     [("D", 128), ("BK", 4), ("BV", 3), ("GL", 4), ("DPT", 16), ("NW", 8), ("U", 4), ("KB", 1)]),
+    ("tq_decode_tc", _TC_INS, ["float32"] * 3,
+     [("D", 128), ("BK", 4), ("BV", 3), ("GL", 16), ("NW", 4), ("KB", 1)]),
+    ("tq_decode_tc", _TC_INS, ["float32"] * 3, [("D", 64), ("BK", 3), ("BV", 2), ("GL", 8), ("NW", 4), ("KB", 1)]),
+    ("tq_decode_tc8", _TC_INS, ["float32"], [("D", 128), ("BK", 4), ("BV", 3), ("NW", 8), ("KB", 1), ("MINB", 2)]),
+    ("tq_decode_tc8_fused", _fused_ins("float16"), ["float32", "float16"],
+     [("D", 128), ("BK", 4), ("BV", 3), ("NW", 8), ("KB", 1), ("TRAD", 0), ("MINB", 2)]),
+    ("tq_decode_tc8_fused", _fused_ins("bfloat16"), ["float32", "bfloat16"],
+     [("D", 128), ("BK", 4), ("BV", 3), ("NW", 8), ("KB", 1), ("TRAD", 0), ("MINB", 2)]),
+    ("tq_decode_tc8_fused", _fused_ins("bfloat16"), ["float32", "bfloat16"],
+     [("D", 64), ("BK", 3), ("BV", 2), ("NW", 8), ("KB", 1), ("TRAD", 0), ("MINB", 2)]),
+    ("tq_decode_tc8_fused", _fused_ins("float16"), ["float32", "float16"],
+     [("D", 128), ("BK", 4), ("BV", 4), ("NW", 8), ("KB", 1), ("TRAD", 1), ("MINB", 2)])]
 
 # launched with the launch shape compiled into the body, not as template
 # arguments (attention/step_plan.py)
-_CONSTS_IN_BODY = {"tq_decode_tc8_fused"}
+_CONSTS_IN_BODY = {"tq_decode_tc8_fused", "tq_key_bias"}
 
 
 def case_source(name: str, ins: list[str], outs: list[str], tmpl: dict) -> str:

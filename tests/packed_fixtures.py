@@ -40,23 +40,38 @@ def rel(a, b) -> float:
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
-def filled_cache(kv_bits, d, h_kv, n, window=16, seed=0):
+def filled_cache(kv_bits, d, h_kv, n, window=16, seed=0, block_mean=False):
+    """A cache holding n random tokens; ``block_mean``: keys after a RoPE
+    with a strong pre-RoPE offset, centred on its per-block turned mean (as
+    caches on a GPU are)."""
+    import mlx.nn as nn
+
     from turboquant.cache import TurboQuantKVCache
+    from turboquant.rotary import Rotary
 
     mx.random.seed(seed)
     cache = TurboQuantKVCache(kv_bits=kv_bits, window=window)
     k = mx.random.normal((1, h_kv, n, d)) + 0.5  # offset: exercises centring
+    if block_mean:
+        rope = nn.RoPE(d, base=10000.0)
+        cache.rotary, cache.mean_blocks = Rotary.of(rope).canonical(), True
+        k = rope(k + 2.0 * mx.random.normal((1, h_kv, 1, d)))
     v = mx.random.normal((1, h_kv, n, d))
     cache.update_and_fetch(k, v)
     return cache
 
 
-def fake_decode(q_rot, kp, kn, vp, vn, ck, cv, n, bk, bv, route=None, **_):
-    """What a split-K kernel computes, in MLX ops (CPU tests of the glue)."""
-    d = q_rot.shape[-1]
+def fake_decode(q_rot, kp, kn, vp, vn, ck, cv, n, bk, bv, route=None, key_bias=None, **_):
+    """What a split-K kernel computes, in MLX ops (CPU tests of the glue),
+    the key bias (``launchers.key_bias``: [B*H, blocks, RP], log2 units)
+    added to every score of its block of 32 tokens."""
+    B, H, R, d = q_rot.shape
     K = ck[unpack(kp[:, :, :n], bk, d).astype(mx.uint32)] * kn[:, :, :n, None].astype(mx.float32)
     V = cv[unpack(vp[:, :, :n], bv, d).astype(mx.uint32)] * vn[:, :, :n, None].astype(mx.float32)
     s = q_rot @ K.swapaxes(-1, -2)
+    if key_bias is not None:
+        per_block = key_bias.reshape(B, H, -1, key_bias.shape[-1])[..., :R].swapaxes(-1, -2)
+        s = s + mx.repeat(per_block, 32, axis=-1)[..., :n] / 1.4426950408889634
     lse = mx.logsumexp(s, axis=-1)
     return mx.exp(s - lse[..., None]) @ V, lse
 
@@ -67,8 +82,8 @@ def codec_quantize(x, codec):
 
 def fake_dequant(packed, norms, c, n, bits, dim, dtype=mx.float16, mean_rot=None):
     x = c[unpack(packed[:, :, :n], bits, dim).astype(mx.uint32)] * norms[:, :, :n, None].astype(mx.float32)
-    if mean_rot is not None:
-        x = x + mean_rot[:, :, None, :]
+    if mean_rot is not None:  # one mean per head [B, H, D], or per block of 32 tokens [B, H, blocks, D]
+        x = x + (mean_rot[:, :, None, :] if mean_rot.ndim == 3 else mx.repeat(mean_rot, 32, axis=2)[:, :, :n])
     return x.astype(dtype)
 
 
@@ -113,6 +128,8 @@ def dense_reference(q, cache, wk, wv, scale, mask):
     if P:
         kh = cache.key_codec.dequantize(cache.keys_packed[:, :, :P], cache.keys_norms[:, :, :P])
         vh = cache.value_codec.dequantize(cache.values_packed[:, :, :P], cache.values_norms[:, :, :P])
+        if getattr(cache, "key_mean_pre", None) is not None:  # the turned mean (or its block average)
+            kh = kh + cache.turned_key_mean(S, S + P)
         keys = mx.concatenate([keys[:, :, :S], kh + cache.key_mean, keys[:, :, S:]], axis=2)
         values = mx.concatenate([values[:, :, :S], vh + cache.value_mean, values[:, :, S:]], axis=2)
     G = q.shape[1] // keys.shape[1]

@@ -70,7 +70,8 @@ from .rotary import Rotary
 # 2: 4-bit keys / 3-bit values at 3.5 (3 / 2 at 2.5) and attention sinks
 # at the front of the exact tokens; format 1 (no version field) had neither.
 # 3: keys may be centred on a turned pre-RoPE mean (key_mean_pre, rotary_theta).
-FORMAT = "tqcache-3"
+# 4: ... or on its average over blocks of packed tokens (mean_blocks).
+FORMAT = "tqcache-4"
 
 
 def shrunk_mean(x: mx.array, axis: int = 2) -> mx.array:
@@ -133,8 +134,11 @@ class TurboQuantKVCache(_BaseCache):
     # them where the attention route adds q . R(p) mean back) and, once the
     # first token is packed, the pre-RoPE key mean the packed keys are centred
     # on, turned to each one's position.  Both travel in the saved state.
+    # mean_blocks: the turned mean is averaged over blocks of
+    # rotary.MEAN_BLOCK packed tokens (the form the GPU kernels add back).
     rotary = None
     key_mean_pre: Optional[mx.array] = None
+    mean_blocks = False
 
     step = 256  # capacity granularity in tokens
     growth = 1.5
@@ -298,6 +302,38 @@ class TurboQuantKVCache(_BaseCache):
             keep = self.window if window is None else max(0, int(window))
             self._flush(self.window_keys.shape[2] - self.sink_len - keep)
 
+    @property
+    def mean_origin(self) -> Optional[int]:
+        """Where the blocks of a block mean start (the first packed token's
+        position), or None for the exact turned mean."""
+        return self.sink_len if self.mean_blocks else None
+
+    def turned_key_mean(self, start: int, stop: int) -> mx.array:
+        """What the packed keys at positions ``start..stop-1`` are centred on
+        (beyond ``key_mean``): ``R(p) key_mean_pre`` or its block average."""
+        return self.rotary.turned(self.key_mean_pre, start, stop, self.mean_origin)
+
+    def key_score_bias(self, q: mx.array, start: int, stop: int) -> mx.array:
+        """``q . turned_key_mean`` [..., M, stop - start] (q unrotated, [..., M, D])."""
+        return self.rotary.score_bias(q, self.key_mean_pre, start, stop, self.mean_origin)
+
+    def block_key_means(self, n: int) -> mx.array:
+        """Each block's full key mean (``key_mean`` + its turned mean)
+        [B, H, ceil(n / MEAN_BLOCK), D] for packed tokens ``[0, n)`` of a
+        block-mean cache: what dequantizing adds back per block."""
+        from .rotary import MEAN_BLOCK
+
+        nb = -(-n // MEAN_BLOCK)
+        rows = self.rotary.block_table(self.sink_len, nb)[:nb]
+        return self.key_mean.astype(mx.float32) + self.rotary.turn(self.key_mean_pre, rows)
+
+    def key_block_bias(self, q: mx.array, n: int) -> mx.array:
+        """``q . block mean`` [..., ceil(n / MEAN_BLOCK), M] for packed tokens
+        ``[0, n)`` of a block-mean cache: the kernels' score term per block."""
+        from .rotary import MEAN_BLOCK
+
+        return self.rotary.block_bias(q, self.key_mean_pre, self.sink_len, -(-n // MEAN_BLOCK))
+
     def _flush(self, excess: int | None = None) -> None:
         """Quantize the tokens beyond the exact window (``excess`` of them,
         default :meth:`_flush_len`) into packed storage."""
@@ -323,7 +359,7 @@ class TurboQuantKVCache(_BaseCache):
             self.value_mean = shrunk_mean(self.window_values[:, :, s:], axis=2)
         old_k = self.window_keys[:, :, s : s + excess].astype(mx.float32) - self.key_mean
         if self.rotary is not None:
-            old_k = old_k - self.rotary.turned(self.key_mean_pre, p0, p0 + excess)
+            old_k = old_k - self.turned_key_mean(p0, p0 + excess)
         old_v = self.window_values[:, :, s : s + excess].astype(mx.float32) - self.value_mean
         # The fused quantize kernel on a GPU, the codec (reference) elsewhere.
         k_packed, k_norms = launchers.quantize_any(old_k, self.key_codec)
@@ -489,6 +525,7 @@ class TurboQuantKVCache(_BaseCache):
                 self.offset, self.packed_len, dims[0], dims[1], self.quantizer,
                 0 if self.rotary is None else self.rotary.dims,
                 int(self.rotary is not None and self.rotary.traditional),
+                int(bool(self.mean_blocks)),
             )
         )
 
@@ -499,11 +536,12 @@ class TurboQuantKVCache(_BaseCache):
             found = v[0] if v and v[0].startswith("tqcache-") else "tqcache-1 (no version field)"
             raise ValueError(
                 f"TurboQuantKVCache: this saved cache has format {found}; this tqpipe reads "
-                f"{FORMAT} only (keys centred on a mean turned by RoPE changed what the "
-                "saved arrays mean); prefill the document again to rebuild it"
+                f"{FORMAT} only (keys centred on a mean turned by RoPE, exactly or per block of "
+                "packed tokens, changed what the saved arrays mean); prefill the document again "
+                "to rebuild it"
             )
-        if len(v) != 13:
-            raise ValueError(f"TurboQuantKVCache: {FORMAT} meta state has 13 fields, got {len(v)}")
+        if len(v) != 14:
+            raise ValueError(f"TurboQuantKVCache: {FORMAT} meta state has 14 fields, got {len(v)}")
         quantizer = v[10]
         if quantizer not in QUANTIZERS:
             raise ValueError(
@@ -521,6 +559,7 @@ class TurboQuantKVCache(_BaseCache):
         if k_dim:
             self._setup(k_dim, v_dim)
         self._rotary_meta = (int(v[11]), bool(int(v[12])))
+        self.mean_blocks = bool(int(v[13]))
 
     @classmethod
     def from_state(cls, state, meta_state=None) -> "TurboQuantKVCache":

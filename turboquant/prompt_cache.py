@@ -16,7 +16,7 @@ from typing import Any, Optional
 import mlx.nn as nn
 
 from .attention.device import backend, mode, on_gpu
-from .attention.route import rotary_mean_allowed
+from .attention.route import block_mean_wanted
 from .cache import TurboQuantKVCache
 from .integration import install
 from .policy import SINK_TOKENS, parse_kv_policy
@@ -135,10 +135,12 @@ def make_prompt_cache(
                 "use kv_quant_scheme='fp16' or 'affine' for this model"
             )
         install()
-    rotaries = _layer_rotaries(model) if rotary_mean_allowed(backend(), mode(), on_gpu()) else {}
+    rotaries = _layer_rotaries(model)
+    blocks = block_mean_wanted(backend(), mode(), on_gpu())
     for i in layers:
         caches[i] = TurboQuantKVCache(policy=policy, layer=i)
         caches[i].rotary = rotaries.get(i)
+        caches[i].mean_blocks = blocks
     return caches
 
 

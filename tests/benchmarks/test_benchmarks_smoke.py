@@ -273,28 +273,31 @@ def test_quality_scores_float32_against_itself_and_quantized(tiny_lm):
         quality.evaluate(tiny_lm, ids, 300, configs[2:])
 
 
-def test_quality_rows_with_a_constant_key_mean_are_caches_as_a_gpu_makes_them(tiny_lm):
-    """``--key-mean constant`` rows centre keys on one constant mean (no
-    rotary: what make_prompt_cache leaves where kernels read the cache), the
-    default rows on the turned pre-RoPE mean; both really quantize and the
-    JSON rows say which they are."""
-    configs = quality.default_configs(64, [3.5], ["turboquant"], ["scalar"], ["turned", "constant"])
-    assert [(c.label, c.window, c.turned_mean) for c in configs[1:]] == [
-        ("tqpipe 3.5 scalar, window 0", 0, True), ("tqpipe 3.5 scalar, window 0, constant key mean", 0, False),
-        ("tqpipe 3.5 scalar, window 64", 64, True), ("tqpipe 3.5 scalar, window 64, constant key mean", 64, False)]
-    configs = configs[:3]  # float32 and the window-0 rows
-    assert all(c.turned_mean for c in quality.default_configs(128, [3.5])[1:] if c.scheme == "turboquant")
+def test_quality_rows_by_key_mean_are_caches_as_each_machine_makes_them(tiny_lm):
+    """``--key-mean`` rows: the default centres keys on the pre-RoPE mean
+    turned per token (CPU), ``blocks`` on its average per block of packed
+    tokens (what GPU caches are), ``constant`` on one mean (no rotary); all
+    really quantize and the JSON rows say which they are."""
+    configs = quality.default_configs(64, [3.5], ["turboquant"], ["scalar"], ["turned", "blocks", "constant"])
+    assert [(c.label, c.window, c.key_mean) for c in configs[1:]] == [
+        ("tqpipe 3.5 scalar, window 0", 0, "turned"), ("tqpipe 3.5 scalar, window 0, block key mean", 0, "blocks"),
+        ("tqpipe 3.5 scalar, window 0, constant key mean", 0, "constant"),
+        ("tqpipe 3.5 scalar, window 64", 64, "turned"), ("tqpipe 3.5 scalar, window 64, block key mean", 64, "blocks"),
+        ("tqpipe 3.5 scalar, window 64, constant key mean", 64, "constant")]
+    configs = configs[:4]  # float32 and the window-0 rows
+    assert all(c.key_mean == "turned" for c in quality.default_configs(128, [3.5])[1:] if c.scheme == "turboquant")
     ids = mx.array(quality.passages(CharTokenizer(), 2, 300 + 12), dtype=mx.int32)
-    turned, constant = (c.build(tiny_lm) for c in configs[1:])
+    turned, blocks, constant = (c.build(tiny_lm) for c in configs[1:])
     ref = quality.float_prefill(tiny_lm, ids[:, :300], 64)
-    for caches in (turned, constant):
+    for caches in (turned, blocks, constant):
         quality.fill(caches, ref, 64)
-    assert all(c.rotary is not None and c.key_mean_pre is not None for c in turned)
+    assert all(c.rotary is not None and c.key_mean_pre is not None and not c.mean_blocks for c in turned)
+    assert all(c.rotary is not None and c.key_mean_pre is not None and c.mean_blocks for c in blocks)
     assert all(c.rotary is None and c.key_mean_pre is None and c.key_mean is not None for c in constant)
-    res = {r.label: r for r in quality.evaluate(tiny_lm, ids, 300, [configs[0], *configs[1:]], chunk=64)}
-    a, b = res["tqpipe 3.5 scalar, window 0"], res["tqpipe 3.5 scalar, window 0, constant key mean"]
-    assert (a.key_mean, b.key_mean, res["float32"].key_mean) == ("turned", "constant", "")
-    assert 1e-6 < a.kl < 10 and 1e-6 < b.kl < 10 and a.kl != b.kl
+    res = {r.label: r for r in quality.evaluate(tiny_lm, ids, 300, configs, chunk=64)}
+    a, b, c = (res[f"tqpipe 3.5 scalar, window 0{x}"] for x in ("", ", block key mean", ", constant key mean"))
+    assert (a.key_mean, b.key_mean, c.key_mean, res["float32"].key_mean) == ("turned", "blocks", "constant", "")
+    assert all(1e-6 < r.kl < 10 for r in (a, b, c)) and len({a.kl, b.kl, c.kl}) == 3
 
 
 def test_replayed_teacher_forcing_reads_what_decode_steps_read(tiny_lm):

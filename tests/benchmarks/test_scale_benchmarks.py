@@ -32,6 +32,23 @@ def test_whole_model_tiny(tmp_path):
     assert set(res["max_context"]) == {"bf16", "turboquant-3.5", "affine-4"}
 
 
+def test_whole_model_constant_mean_rows_keep_one_key_mean(monkeypatch):
+    """A ``/constant-mean`` row's caches get no RoPE angles (no block term),
+    the plain row's do; the name is refused on a cache that is not ours."""
+    import turboquant.prompt_cache as pc
+
+    seen = []
+    real = pc._layer_rotaries
+    monkeypatch.setattr(whole_model, "measure_row",
+                        lambda *a, **k: seen.append((a[3], pc._layer_rotaries is real)) or {"kv_bytes": 1})
+    monkeypatch.setattr(whole_model, "bytes_per_token", lambda *a, **k: 1.0)
+    whole_model.main(["--tiny", "--contexts", "512", "--caches", "turboquant-3.5,turboquant-3.5/constant-mean"])
+    assert seen == [("turboquant-3.5", True), ("turboquant-3.5/constant-mean", False)]
+    assert pc._layer_rotaries is real
+    with pytest.raises(SystemExit):
+        whole_model.main(["--tiny", "--caches", "bf16/constant-mean"])
+
+
 def test_engine_batch_cpu():
     res = engine_batch.main(["--json", "--shape", "tiny", "--context", "600", "--tokens", "6"])
     for k in ("tasks", "forward_passes_batched", "forward_passes_sequential", "seconds_batched",

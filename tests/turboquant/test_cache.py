@@ -205,12 +205,13 @@ def test_saved_caches_of_another_format_are_refused(tmp_path):
     c.update_and_fetch(*kv(L=10))
     c.update_and_fetch(*kv(L=1, seed=1))
     arrays, meta = c.state[:10], c.meta_state
-    assert meta[0] == FORMAT == "tqcache-3"
+    assert meta[0] == FORMAT == "tqcache-4"
     old = ("3", "4", "4", "0", "11", "2", "64", "64", "scalar")  # format 1: 9 fields
     two = ("tqcache-2",) + meta[1:11]
+    three = ("tqcache-3",) + meta[1:13]  # no block-mean field
     for saved, found in ((old, "tqcache-1"), (old[:8], "tqcache-1"), (two, "tqcache-2"),
-                         (("tqcache-4",) + meta[1:], "tqcache-4")):
-        with pytest.raises(ValueError, match=f"format {found}.*reads tqcache-3.*prefill the document again"):
+                         (three, "tqcache-3"), (("tqcache-5",) + meta[1:], "tqcache-5")):
+        with pytest.raises(ValueError, match=f"format {found}.*reads tqcache-4.*prefill the document again"):
             TurboQuantKVCache.from_state(arrays, saved)
         with pytest.raises(ValueError, match=f"format {found}"):
             TurboQuantKVCache.from_state(arrays + saved)  # as mlx-lm's load_prompt_cache passes it

@@ -1,6 +1,7 @@
 """Keys centred on a turned pre-RoPE mean: Rotary reads a model's RoPE angles
-exactly, the attention adds q . R(p) mean back exactly, and only where the
-route has that term (the CPU's reference path)."""
+exactly; the attention adds q . R(p) mean back exactly (the reference path
+and dequantize + SDPA), or its per-block average (every route: what caches
+read by GPU kernels are centred on)."""
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -44,7 +45,8 @@ def test_an_unknown_rope_kind_is_none():
 
 
 def test_a_rotary_mean_cache_takes_no_kernel_route():
-    """Only the reference path and dequantize + SDPA add q . R(p) mean back."""
+    """Only the reference path and dequantize + SDPA add the per-token
+    q . R(p) mean back; a block-mean cache is not a ``rotary_mean`` call."""
     from dataclasses import replace
 
     from turboquant.attention.route import Call, Route, choose
@@ -57,10 +59,26 @@ def test_a_rotary_mean_cache_takes_no_kernel_route():
     assert choose(replace(call, rotary_mean=True, packed=1 << 24, capacity=1 << 24), "cuda", "auto") is Route.REFERENCE
     assert choose(replace(call, rotary_mean=True, on_gpu=False), None, "auto") is Route.REFERENCE
 
+    from packed_fixtures import filled_cache
 
-def test_reference_attention_over_a_rotary_centred_cache_is_attention_over_its_reconstruction():
+    from turboquant.attention.route import describe
+
+    c = filled_cache(3.5, 64, 2, 300, block_mean=True)
+    k = mx.random.normal((1, 2, 1, 64))
+    wk, wv = c.update_and_fetch(k, k)
+    q = mx.random.normal((1, 8, 1, 64))
+    assert c.key_mean_pre is not None
+    assert not describe(q, wk, wv, c, None, None, None, True).rotary_mean
+    c.mean_blocks = False
+    assert describe(q, wk, wv, c, None, None, None, True).rotary_mean
+
+
+@pytest.mark.parametrize("blocks", [False, True])
+def test_reference_attention_over_a_rotary_centred_cache_is_attention_over_its_reconstruction(blocks):
     """Exactness of the add-back: the packed part equals dense attention over
-    dequantized residual + R(p) mean_pre (values + their mean), sinks exact."""
+    dequantized residual + R(p) mean_pre, or its average over each block of
+    32 packed tokens (values + their mean), sinks exact."""
+    from turboquant.rotary import MEAN_BLOCK
     from turboquant.attention.reference import reference_attention
     from turboquant.cache import TurboQuantKVCache
 
@@ -70,7 +88,7 @@ def test_reference_attention_over_a_rotary_centred_cache_is_attention_over_its_r
     k = rope(k_pre)
     v = mx.random.normal((1, 2, T, 64), key=mx.random.key(3))
     c = TurboQuantKVCache(kv_bits=3.5, window=0)
-    c.rotary = Rotary.of(rope)
+    c.rotary, c.mean_blocks = Rotary.of(rope), blocks
     c.update_and_fetch(k, v)
     c.settle()
     assert c.key_mean_pre is not None and c.packed_len == T - c.sink_len
@@ -79,7 +97,15 @@ def test_reference_attention_over_a_rotary_centred_cache_is_attention_over_its_r
 
     P, s = c.packed_len, c.sink_len
     kp = c.key_codec.dequantize(c.keys_packed[:, :, :P], c.keys_norms[:, :, :P]) + c.key_mean
-    kp = kp + c.rotary.rotate(mx.broadcast_to(c.key_mean_pre, kp.shape), mx.arange(s, s + P))
+    turned = c.rotary.rotate(mx.broadcast_to(c.key_mean_pre, kp.shape), mx.arange(s, s + P))
+    if blocks:  # each token gets its whole block's average, the partial last block too
+        nb = -(-P // MEAN_BLOCK)
+        assert P % MEAN_BLOCK  # (exercises the partial block)
+        whole = c.rotary.rotate(mx.broadcast_to(c.key_mean_pre, (1, 2, nb * MEAN_BLOCK, 64)),
+                                mx.arange(s, s + nb * MEAN_BLOCK))
+        means = whole.reshape(1, 2, nb, MEAN_BLOCK, 64).mean(axis=3)
+        turned = mx.repeat(means, MEAN_BLOCK, axis=2)[:, :, :P]
+    kp = kp + turned
     vp = c.value_codec.dequantize(c.values_packed[:, :, :P], c.values_norms[:, :, :P]) + c.value_mean
     keys = mx.concatenate([c.window_keys.astype(mx.float32), kp], axis=2)
     values = mx.concatenate([c.window_values.astype(mx.float32), vp], axis=2)
@@ -125,6 +151,31 @@ def test_dequant_sdpa_over_a_rotary_centred_cache_matches_the_reference_path(mon
 
 
 @pytest.mark.parametrize("name", ROPES)
+def test_block_rows_are_the_average_of_the_turned_mean_over_each_block(name):
+    """The Dirichlet form of a block's average equals averaging the turned
+    mean over its 32 positions; block_bias (the kernels' term) is q . that,
+    block-major; a partial last block uses the whole block's average."""
+    from turboquant.rotary import MEAN_BLOCK
+
+    rope = ROPES[name]()
+    D = 128 if name == "llama3" else 64
+    r = Rotary.of(rope)
+    mean = mx.random.normal((1, 2, 1, D), key=mx.random.key(6))
+    q = mx.random.normal((1, 2, 3, D), key=mx.random.key(5))
+    for origin, blocks in ((4, 3), (0, 5), (6000, 2)):
+        stop = origin + blocks * MEAN_BLOCK
+        exact = r.turned(mean, origin, stop).reshape(1, 2, blocks, MEAN_BLOCK, D).mean(axis=3)
+        rows = r.turned(mean, origin, stop, origin)
+        assert mx.allclose(rows[:, :, ::MEAN_BLOCK], exact, atol=2e-3)
+        assert mx.array_equal(rows, mx.repeat(rows[:, :, ::MEAN_BLOCK], MEAN_BLOCK, axis=2))
+        bias = r.block_bias(q, mean, origin, blocks)
+        assert bias.shape == (1, 2, blocks, 3)
+        assert mx.allclose(bias, (q @ exact.swapaxes(-1, -2)).swapaxes(-1, -2), atol=2e-3)
+        assert mx.allclose(r.score_bias(q, mean, origin + 5, stop - 3, origin),
+                           q @ rows[:, :, 5:-3].swapaxes(-1, -2), atol=1e-3)
+
+
+@pytest.mark.parametrize("name", ROPES)
 def test_score_bias_is_q_dot_the_turned_mean(name):
     """The angle-table form equals turning the mean and taking dot products,
     also past the table's first size (it grows) and for a partial RoPE."""
@@ -140,19 +191,38 @@ def test_score_bias_is_q_dot_the_turned_mean(name):
     assert r.table(1).shape[0] >= 9003
 
 
-def test_rotary_mean_only_where_the_reference_path_reads_the_cache():
-    from turboquant.attention.route import rotary_mean_allowed
+def test_block_mean_where_kernels_read_the_cache_the_exact_mean_elsewhere():
+    from turboquant.attention.route import block_mean_wanted
 
-    assert rotary_mean_allowed(None, "auto", False)  # CPU
-    assert rotary_mean_allowed("cuda", "auto", False)  # CUDA build, CPU default device
-    assert rotary_mean_allowed("cuda", "reference", True)  # kernels off
-    assert not rotary_mean_allowed("cuda", "auto", True)
-    assert not rotary_mean_allowed("metal", "auto", True)
+    assert not block_mean_wanted(None, "auto", False)  # CPU
+    assert not block_mean_wanted("cuda", "auto", False)  # CUDA build, CPU default device
+    assert not block_mean_wanted("cuda", "reference", True)  # kernels off
+    assert block_mean_wanted("cuda", "auto", True)
+    assert block_mean_wanted("metal", "auto", True)
 
 
-def test_make_prompt_cache_turns_the_mean_on_the_cpu_only(monkeypatch):
-    """CPU: every layer gets its RoPE's angles, one shared instance (one angle
-    table); where kernels read the cache (a GPU), none: a constant mean."""
+def test_a_block_mean_cache_saves_and_loads_as_one():
+    from packed_fixtures import filled_cache
+
+    from turboquant.attention.reference import reference_attention
+    from turboquant.cache import TurboQuantKVCache
+
+    c = filled_cache(3.5, 64, 2, 300, block_mean=True)
+    k = mx.random.normal((1, 2, 1, 64))
+    c.update_and_fetch(k, k)
+    back = TurboQuantKVCache.from_state(c.state[:10], c.meta_state)
+    assert back.mean_blocks and back.rotary is c.rotary and back.mean_origin == c.sink_len
+    q = mx.random.normal((1, 8, 1, 64))
+    assert mx.array_equal(reference_attention(q, back.window_keys, back.window_values, back, 0.125),
+                          reference_attention(q, c.window_keys, c.window_values, c, 0.125))
+    c.mean_blocks = False
+    assert not TurboQuantKVCache.from_state(c.state[:10], c.meta_state).mean_blocks
+
+
+def test_make_prompt_cache_turns_the_mean_exactly_on_the_cpu_per_block_on_gpus(monkeypatch):
+    """Every layer gets its RoPE's angles, one shared instance (one angle
+    table); the mean is turned per token on the CPU, per block of packed
+    tokens where kernels read the cache (a GPU)."""
     from mlx_lm.models import llama
 
     import turboquant.prompt_cache as pc
@@ -164,10 +234,12 @@ def test_make_prompt_cache_turns_the_mean_on_the_cpu_only(monkeypatch):
     caches = pc.make_prompt_cache(model, kv_bits=3.5, window=4)
     assert all(c.rotary is caches[0].rotary for c in caches) and caches[0].rotary is not None
     assert mx.allclose(caches[0].rotary.theta, Rotary.of(model.layers[0].self_attn.rope).theta)
+    assert not any(c.mean_blocks for c in caches)
     monkeypatch.setattr(pc, "on_gpu", lambda: True)
     monkeypatch.setattr(pc, "backend", lambda: "cuda")
     monkeypatch.setattr(pc, "mode", lambda: "auto")
-    assert all(c.rotary is None for c in pc.make_prompt_cache(model, kv_bits=3.5, window=4))
+    gpu = pc.make_prompt_cache(model, kv_bits=3.5, window=4)
+    assert all(c.rotary is caches[0].rotary and c.mean_blocks for c in gpu)
 
 
 def test_a_rotary_cache_saved_and_loaded_attends_the_same(tmp_path):

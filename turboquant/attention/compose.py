@@ -24,6 +24,12 @@ def cache_mean(cache, name: str, B: int, H: int) -> Optional[mx.array]:
     return None if m is None else m.astype(mx.float32).reshape(B, H, -1)
 
 
+def block_mean(cache) -> bool:
+    """Whether the packed keys are centred on a block mean (a key bias per
+    block, ``turboquant.rotary``), which every kernel route adds back."""
+    return getattr(cache, "mean_blocks", False) and getattr(cache, "key_mean_pre", None) is not None
+
+
 def value_rotation(cache):
     return getattr(cache, "value_rotation", None) or cache.rotation
 
@@ -107,6 +113,7 @@ def split_k_attention(queries, window_keys, window_values, cache, scale, window_
         q_rot, cache.keys_packed, cache.keys_norms, cache.values_packed, cache.values_norms,
         centroids(cache.key_codec), centroids(cache.value_codec),
         cache.packed_len, cache.key_codec.bits, cache.value_codec.bits, route,
+        key_bias=launchers.key_bias(cache, q, cache.packed_len) if block_mean(cache) else None,
     )
     km = cache_mean(cache, "key_mean", B, H_kv)
     vm = cache_mean(cache, "value_mean", B, H_kv)
@@ -159,6 +166,8 @@ def dequant_sdpa_attention(queries, window_keys, window_values, cache, scale, ma
     vrot = value_rotation(cache)
     km = cache_mean(cache, "key_mean", B, H_kv)
     vm = cache_mean(cache, "value_mean", B, H_kv)
+    if block_mean(cache):  # one mean per block of packed tokens, added by the kernel
+        km = cache.block_key_means(P)
     Dv = window_values.shape[-1]
     k_hist = launchers.dequantize(
         cache.keys_packed, cache.keys_norms, centroids(cache.key_codec), P,
@@ -168,7 +177,8 @@ def dequant_sdpa_attention(queries, window_keys, window_values, cache, scale, ma
         cache.values_packed, cache.values_norms, centroids(cache.value_codec), P,
         cache.value_codec.bits, Dv, dtype, None if vm is None else vrot.forward(vm),
     )
-    if getattr(cache, "key_mean_pre", None) is not None:  # keys centred on R(p) mean_pre: add it back
+    if getattr(cache, "key_mean_pre", None) is not None and not block_mean(cache):
+        # keys centred on R(p) mean_pre (exactly, per token): add it back
         s0 = cache.sink_len
         turned = cache.rotary.turned(cache.key_mean_pre, s0, s0 + P)
         k_hist = k_hist + cache.rotation.forward(turned).astype(dtype)

@@ -8,7 +8,7 @@ import mlx.core as mx
 
 from ..masks import Mask, as_5d, split_mask
 from . import device
-from .compose import dequant_sdpa_attention, split_k_attention
+from .compose import block_mean, dequant_sdpa_attention, split_k_attention
 from .reference import reference_attention
 from .route import Route, choose, describe
 from .step_plan import fused_step
@@ -23,8 +23,9 @@ def turboquant_attention(
     in the queries' dtype.  ``route.choose`` picks the path; each route
     computes the same attention (the kernels within fp16-SDPA accuracy).
     """
-    if mask is None and sinks is None and getattr(cache, "key_mean_pre", None) is None:
-        out = fused_step(queries, window_keys, window_values, cache, scale)  # a cached FUSED_STEP
+    # a cached FUSED_STEP (a cache centred on a mean turned per token never takes it)
+    if mask is None and sinks is None and (getattr(cache, "key_mean_pre", None) is None or block_mean(cache)):
+        out = fused_step(queries, window_keys, window_values, cache, scale)
         if out is not None:
             return out
     B, H_q, L, _ = queries.shape

@@ -118,10 +118,10 @@ def _packed_part(q_rot: mx.array, cache, packed_mask: Optional[mx.array], G: int
     acc = mx.zeros((B, H_kv, M, vlay.slots), mx.float32)
     P = cache.packed_len
     s0 = cache.sink_len
-    # Keys centred on R(p) mean_pre get it back per key: for a few rows (a
-    # decode step) as a score bias, q . R(p) mean (rows x T x D); for many (a
-    # prefill chunk) added to the decoded keys, turned and rotated per key
-    # (T x D log D), no [rows, T] bias.
+    # Keys centred on R(p) mean_pre (or its block average) get it back per
+    # key: for a few rows (a decode step) as a score bias, q . R(p) mean
+    # (rows x T x D); for many (a prefill chunk) added to the decoded keys,
+    # turned and rotated per key (T x D log D), no [rows, T] bias.
     turned_mean = getattr(cache, "key_mean_pre", None) is not None
     added = turned_mean and M > klay.slots
     # one block holds codes [T, slots] and scores [M, T] per kv head
@@ -136,9 +136,9 @@ def _packed_part(q_rot: mx.array, cache, packed_mask: Optional[mx.array], G: int
         blk_mask = None if packed_mask is None else packed_mask[..., a:e]
         kadd = None
         if added:
-            kadd = klay.to_slots(cache.rotation.forward(cache.rotary.turned(cache.key_mean_pre, s0 + a, s0 + e)))
+            kadd = klay.to_slots(cache.rotation.forward(cache.turned_key_mean(s0 + a, s0 + e)))
         elif turned_mean:
-            bias = cache.rotary.score_bias(q_plain, cache.key_mean_pre, s0 + a, s0 + e)
+            bias = cache.key_score_bias(q_plain, s0 + a, s0 + e)
             L_ = 1 if blk_mask is None else blk_mask.shape[-2]
             bias = bias.reshape(B, H_kv, M // L_, L_, e - a)
             if blk_mask is not None:

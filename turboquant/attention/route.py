@@ -48,7 +48,9 @@ class Call:
     window_mask: bool  # a mask over the window
     sinks: bool
     on_gpu: bool  # MLX's default device is the GPU
-    rotary_mean: bool = False  # keys centred on a turned pre-RoPE mean (turboquant.rotary)
+    # keys centred on a pre-RoPE mean turned to each token (turboquant.rotary),
+    # not on its per-block average (which every kernel adds back)
+    rotary_mean: bool = False
 
     @property
     def rows(self) -> int:
@@ -75,7 +77,7 @@ def describe(queries, window_keys, window_values, cache, packed_mask, window_mas
         hadamard=bool(getattr(rot, "is_walsh_hadamard", False) and getattr(vrot, "is_walsh_hadamard", False)),
         packed_mask=packed_mask is not None, window_mask=window_mask is not None,
         sinks=sinks is not None, on_gpu=on_gpu,
-        rotary_mean=getattr(cache, "key_mean_pre", None) is not None,
+        rotary_mean=getattr(cache, "key_mean_pre", None) is not None and not getattr(cache, "mean_blocks", False),
     )
 
 
@@ -93,18 +95,18 @@ def kernels_allowed(backend: Optional[str], mode: str, on_gpu: bool) -> bool:
     return backend is not None and on_gpu
 
 
-def rotary_mean_allowed(backend: Optional[str], mode: str, on_gpu: bool) -> bool:
-    """Whether a cache made now may centre keys on their turned pre-RoPE mean.
+def block_mean_wanted(backend: Optional[str], mode: str, on_gpu: bool) -> bool:
+    """Whether a cache made now centres keys on the turned pre-RoPE mean's
+    per-block average (``turboquant.rotary``) rather than on the exact
+    turned mean.
 
-    Only where the packed history is read by the reference path: it and
-    dequantize + SDPA add the per-key ``q . R(p) mean`` back, the kernels do
-    not, and a GPU cache that took those routes for every decode step would
-    be many times slower.  So GPU caches keep the constant mean.  (Its
-    per-block average, one score term per 32 packed tokens, fits the
-    kernels but cost a whole model's decode more than 5%: the figures are
-    in docs/architecture.md.)
+    The kernels add back one score term per (query row, block of 32 packed
+    tokens); a per-token term (a sinusoid per rotary pair) would cost them
+    more than the scores themselves.  Where the reference path reads the
+    cache (no GPU kernels), the exact turned mean costs one matmul per
+    block of history and keeps ~20% more of the quality gain.
     """
-    return not kernels_allowed(backend, mode, on_gpu)
+    return kernels_allowed(backend, mode, on_gpu)
 
 
 def split_k_route(backend: Optional[str], d: int, capacity: int, rows: int) -> Route:
@@ -135,13 +137,13 @@ def choose(c: Call, backend: Optional[str], mode: str) -> Route:
     fits (tc decodes the codes again for every 16-row tile).  Elsewhere
     (and for a mask into the history) SIMT up to ``PREFILL_ROWS`` rows, then
     dequantize + SDPA while its temporary fits ``PREFILL_DEQUANT_BYTES``, the
-    reference path beyond; a cache centred on a turned mean takes those two
-    only.
+    reference path beyond; a cache centred on a mean turned per token (not
+    per block) takes those two only.
     """
     if c.sinks or not kernels_allowed(backend, mode, c.on_gpu):
         return Route.REFERENCE
     fits = dequant_bytes(c) <= table.PREFILL_DEQUANT_BYTES
-    if c.rotary_mean:  # no kernel adds the per-key q . R(p) mean (rotary_mean_allowed)
+    if c.rotary_mean:  # no kernel adds the per-key q . R(p) mean (block_mean_wanted)
         return Route.DEQUANT_SDPA if fits else Route.REFERENCE
     D = c.head_dim
     supported = (c.packed > 0 and c.window_key_dim == D and D in (64, 128, 256)

@@ -37,15 +37,17 @@ class KernelSource(NamedTuple):
 
 _TC = ("tq_common.h", "cuda/tensor_core.h")
 _TC8_BODY = ("cuda/tq_decode_tc8.inc", "cuda/tq_decode_tc8_split.inc", "cuda/tq_decode_tc8_merge.inc")
-_TC_INPUTS = ("q", "kp", "kn", "vp", "vn", "klut_g", "vlut_g", "meta")
+_TC_INPUTS = ("q", "kp", "kn", "vp", "vn", "klut_g", "vlut_g", "meta", "kb")
 
 KERNELS: dict[str, KernelSource] = {
     "tq_decode": KernelSource(("tq_common.h",), ("tq_decode.inc",),
-                              ("q", "kp", "kn", "vp", "vn", "kcb", "vcb", "meta"), ("po", "pm", "pl")),
+                              ("q", "kp", "kn", "vp", "vn", "kcb", "vcb", "meta", "kb"), ("po", "pm", "pl")),
     "tq_decode_reduce": KernelSource(("tq_common.h",), ("tq_decode_reduce.inc",),
                                      ("po", "pm", "pl", "meta"), ("out", "lse")),
     "tq_dequant": KernelSource(("tq_common.h",), ("tq_dequant.inc",),
                                ("packed", "norms", "cb", "mean", "meta"), ("out",)),
+    "tq_key_bias": KernelSource(("tq_common.h",), ("tq_key_bias.inc",),
+                                ("q", "mpre", "btab", "sc", "meta"), ("kb",)),
     "tq_quantize": KernelSource(("tq_common.h",), ("tq_quantize.inc",),
                                 ("x", "signs", "bounds", "cents", "alphas"), ("packed", "norms")),
     "tq_decode_tc": KernelSource(_TC, ("cuda/tq_decode_tc.inc",), _TC_INPUTS, ("po", "pm", "pl"),

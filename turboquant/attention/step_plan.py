@@ -21,7 +21,8 @@ from typing import Optional
 import mlx.core as mx
 
 from . import device, table
-from .compose import value_rotation
+from ..rotary import MEAN_BLOCK
+from .compose import block_mean, value_rotation
 from .pair_tables import centroids, f32, kernel_tables
 from .params import float_bits, meta, tc8_head
 from .route import Route, choose, describe
@@ -44,7 +45,8 @@ class StepPlan:
     what moves per step (packed length, window, means, counter set)."""
 
     __slots__ = ("kernel", "tables", "signs", "vsigns", "dims", "shape", "max_w", "bh", "grid_yz", "tg",
-                 "out_shape", "out_dtype", "scale_bits", "means", "per_n", "keep", "counters", "slot", "last")
+                 "out_shape", "out_dtype", "scale_bits", "means", "per_n", "keep", "counters", "slot",
+                 "last", "block_mean")
 
     def __init__(self, queries, window_keys, window_values, cache, scale,
                  blocks: int = table.TC8_BLOCKS, warps: Optional[int] = None):
@@ -62,6 +64,9 @@ class StepPlan:
         self.grid_yz, self.tg = (H_kv, B), (cfg["NW"] * 32, 1, 1)
         self.out_shape, self.out_dtype = (B, H_q, L, D), queries.dtype
         self.scale_bits = float_bits(scale)
+        # a cache centred on a block mean (KB): the kernel computes the key
+        # bias from the RoPE block table and the pre-RoPE key mean
+        self.block_mean = block_mean(cache)
         self.means = {}  # mean array (by identity) -> (array, float32 array, present)
         self.per_n = {}  # packed length -> (params head, (grid x, workspace words))
         self.keep = (kc, vc, vrot)  # their ids are part of the plan's key
@@ -75,10 +80,12 @@ class StepPlan:
         self.last = [mx.zeros((1,), queries.dtype)] * ring
         m0 = mx.zeros((1,), mx.float32)  # stand-ins: only the dtypes name the kernel
         probe = [queries, cache.keys_packed, cache.keys_norms, cache.values_packed, cache.values_norms,
-                 *self.tables, meta(0), window_keys, window_values, self.signs, self.vsigns, m0, m0,
+                 *self.tables, meta(0), m0, window_keys, window_values, self.signs, self.vsigns, m0, m0,
                  self.counters, self.last[0]]
         self.kernel = kernel_for("tq_decode_tc8_fused", cfg["PRELUDE"], probe,
-                                 [mx.float32, queries.dtype], cfg["TEMPLATE"])
+                                 [mx.float32, queries.dtype],
+                                 cfg["TEMPLATE"] + (("KB", int(self.block_mean)),
+                                                    ("TRAD", int(self.block_mean and cache.rotary.traditional))))
 
     def _mean(self, m):
         hit = self.means.get(id(m))
@@ -102,7 +109,12 @@ class StepPlan:
             head = tc8_head(n, cache.keys_packed.shape[2], cfg, self.grid_yz[0], R, fused=True)
             per = self.per_n[n] = (head, (cfg["GRID_X"], cfg["WS"]))
         head, (grid_x, ws) = per
-        km, has_km = self._mean(getattr(cache, "key_mean", None))
+        if self.block_mean:  # the constant key mean is zero; the table and the pre-RoPE mean instead
+            km, has_km = cache.key_mean_pre, 0
+            kb = cache.rotary.block_table(cache.sink_len, -(-n // MEAN_BLOCK))
+        else:
+            km, has_km = self._mean(getattr(cache, "key_mean", None))
+            kb = _mean_or_zero(None)[0]
         vm, has_vm = self._mean(getattr(cache, "value_mean", None))
         slot = self.slot
         self.slot = (slot + 1) % table.TC8_COUNTER_RING
@@ -111,7 +123,7 @@ class StepPlan:
         ktab, vtab = self.tables
         out = self.kernel(
             inputs=[queries, cache.keys_packed, cache.keys_norms, cache.values_packed, cache.values_norms,
-                    ktab, vtab, params, window_keys, window_values, self.signs, self.vsigns, km, vm,
+                    ktab, vtab, params, kb, window_keys, window_values, self.signs, self.vsigns, km, vm,
                     self.counters, self.last[slot]],
             grid=(grid_x, *self.grid_yz), threadgroup=self.tg, output_shapes=[(ws,), self.out_shape],
             output_dtypes=[mx.float32, self.out_dtype],
@@ -129,13 +141,15 @@ def _plan_key(queries, window_keys, window_values, cache, scale) -> tuple:
     return (queries.shape, queries.dtype, wk[0], wk[1], wk[3], window_keys.dtype, wv[3],
             window_values.dtype, cache.keys_packed.shape, cache.values_packed.shape,
             cache.keys_norms.dtype, cache.values_norms.dtype, id(cache.key_codec),
-            id(cache.value_codec), id(value_rotation(cache)), scale, device.on_gpu(),
+            id(cache.value_codec), id(value_rotation(cache)), scale, block_mean(cache), device.on_gpu(),
             os.environ.get("TQ_KERNELS"))
 
 
 def _build(queries, window_keys, window_values, cache, scale) -> Optional[StepPlan]:
     """A plan where ``choose`` routes this call to the fused step for some
     packed and window length (checked per step by :meth:`StepPlan.covers`)."""
+    if block_mean(cache) and cache.rotary.dims != queries.shape[-1]:
+        return None  # the kernel's block table covers the whole head (a partial RoPE: tc8 + key-bias kernel)
     call = describe(queries, window_keys, window_values, cache, None, None, None, device.on_gpu())
     call = dataclasses.replace(call, packed=1, window=1)
     if choose(call, device.backend(), device.mode()) is not Route.FUSED_STEP:

@@ -313,8 +313,8 @@ def test_warm_up_runs_the_kernel_routes_of_a_cached_document_and_leaves_no_trace
     import turboquant.prompt_cache
     from turboquant.attention import dispatch, route
 
-    # caches as a GPU makes them (a constant key mean: no turned mean, which no kernel reads)
-    monkeypatch.setattr(turboquant.prompt_cache, "rotary_mean_allowed", lambda *a: False)
+    # caches as a GPU makes them (keys centred on a block mean, which the kernels add back)
+    monkeypatch.setattr(turboquant.prompt_cache, "block_mean_wanted", lambda *a: True)
     loaded = tiny_llama(hidden_size=256, intermediate_size=256)  # head dim 64, as the CUDA kernels take
     calls = []
     real = dispatch.choose

@@ -25,25 +25,29 @@ def cpu_kernels(monkeypatch):
         monkeypatch.setattr(device, "on_gpu", lambda: True)
         monkeypatch.setattr(launchers, "decode", fake_decode)
         monkeypatch.setattr(launchers, "dequantize", fake_dequant)
+        monkeypatch.setattr(launchers, "key_bias", launchers.key_bias_ops)
         monkeypatch.setattr(launchers, "quantize_any", codec_quantize)  # no GPU to append with
 
     return use
 
 
+@pytest.mark.parametrize("block_mean", [False, True])
 @pytest.mark.parametrize("backend,L,mask", [("metal", 1, None), ("metal", 2, "causal"), ("metal", 64, "causal"),
                                             ("metal", 3, "array"), ("cuda", 2, "causal"), ("cuda", 64, "causal"),
                                             ("cuda", 3, "array"), ("metal", 3, "full"), ("cuda", 5, "full")])
-def test_glue_matches_reference_on_cpu(cpu_kernels, backend, L, mask):
-    """The kernel routes' Python glue (rotation, centring, window merge, masks,
-    SDPA over [history; window]) with the kernels replaced by MLX ops must
-    equal the reference path: this runs in CI, where no GPU is."""
+def test_glue_matches_reference_on_cpu(cpu_kernels, backend, L, mask, block_mean):
+    """The kernel routes' Python glue (rotation, centring, the block mean's
+    key bias, window merge, masks, SDPA over [history; window]) with the
+    kernels replaced by MLX ops must equal the reference path: this runs in
+    CI, where no GPU is."""
     cpu_kernels(backend)
     d, h_kv, g = 64, 2, 4
-    cache = filled_cache(3.5, d, h_kv, 300)
+    cache = filled_cache(3.5, d, h_kv, 300, block_mean=block_mean)
     k = mx.random.normal((1, h_kv, L, d))
     if mask == "array":  # built before the update, as models do
         mask = cache.make_mask(L, return_array=True)
     wk, wv = cache.update_and_fetch(k, k * 0.5 - 0.2)
+    assert (cache.key_mean_pre is not None) == block_mean
     if mask == "full":  # position order (sinks, packed, recent), hiding some history and a sink
         n = cache.offset
         mask = (mx.arange(n - L, n)[:, None] >= mx.arange(n)[None]) & (mx.arange(n) % 3 != 1)

@@ -60,13 +60,14 @@ def test_decode_step_plan(fake_cuda, monkeypatch):
         assert meta[6] == meta[7] == 0 and list(meta[8:11]) == [cfg["OFF_PO"], cfg["OFF_PM"], cfg["OFF_PL"]]
         # the launch shape's constants are compiled into the body, not passed per call
         assert "template" not in call and call["grid"] == (cfg["GRID_X"], 2, 1)
-        assert fused.source.startswith("".join(f"constexpr int {k} = {v};\n" for k, v in cfg["TEMPLATE"]))
+        assert fused.source.startswith("".join(f"constexpr int {k} = {v};\n" for k, v in cfg["TEMPLATE"] + (("KB", 0), ("TRAD", 0))))
         assert call["output_shapes"] == [(cfg["WS"],), (1, 8, 1, 128)]
-        assert call["inputs"][8] is not None and call["inputs"][12].dtype == mx.float32
+        assert call["inputs"][8].shape == (1,)  # no key bias: a constant key mean (KB = 0)
+        assert call["inputs"][9] is not None and call["inputs"][13].dtype == mx.float32
         # the counter sets in turn, no zero-filled array per launch; a launch
         # is ordered after the last one on its set (their output its input)
-        assert call["inputs"][14] is plan.counters and meta[15] == (i % ring) * words
-        dep = call["inputs"][15]
+        assert call["inputs"][15] is plan.counters and meta[15] == (i % ring) * words
+        dep = call["inputs"][16]
         if i >= ring:
             assert dep is fused.results[i - ring][1]
         else:
@@ -74,7 +75,7 @@ def test_decode_step_plan(fake_cuda, monkeypatch):
     # a new key mean is passed on at once
     cache.key_mean = cache.key_mean * 2
     turboquant_attention(q, wk, wv, cache, 0.1, None)
-    assert np.allclose(np.asarray(fused.calls[-1]["inputs"][12]), np.asarray(cache.key_mean.astype(mx.float32)))
+    assert np.allclose(np.asarray(fused.calls[-1]["inputs"][13]), np.asarray(cache.key_mean.astype(mx.float32)))
     # another launch shape on request: another kernel (its constants), same step
     step_plan.decode_step(q, wk, wv, cache, 0.1, warps=4)  # the table's is 8
     name, call = log[-1]
@@ -128,6 +129,7 @@ def test_prompts_of_new_lengths_compile_no_new_kernel(fake_cuda):
         turboquant_attention(mx.random.normal((1, 8, L, 128)).astype(mx.float16), wk, wv, cache, 0.1, "causal")
         calls = log[first:]
         assert [n.split("_")[2] for n, _ in calls] == ["tc", "reduce"]
-        assert [kw["inputs"][-1].tolist()[5] for _, kw in calls] == [4 * L, 4 * L]  # rows, as a parameter
+        metas = [next(a for a in kw["inputs"] if a.dtype == mx.int32) for _, kw in calls]
+        assert [m.tolist()[5] for m in metas] == [4 * L, 4 * L]  # rows, as a parameter
         built.append({(n, tuple(kw.get("template") or ())) for n, kw in calls})
     assert built[0] == built[1] == built[2]
