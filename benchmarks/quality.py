@@ -105,7 +105,8 @@ class CacheConfig:
         if self.scheme == "turboquant":
             caches = make_prompt_cache(model, kv_bits=self.bits, window=self.window, quantizer=self.quantizer)
             for c in caches:  # whatever this machine would choose: the row's key centring
-                c.mean_blocks = self.key_mean == "blocks"
+                c.mean_blocks = self.key_mean.startswith("blocks")
+                c.mean_pairs = int(self.key_mean[6:] or 0) if c.mean_blocks else 0
                 if self.key_mean == "constant":
                     c.rotary = None
             return caches
@@ -119,8 +120,10 @@ class CacheConfig:
 
 SCHEMES = ("fp16", "affine", "mlx-vlm", "turboquant")
 QUANTIZERS = ("scalar", "tcq")
-KEY_MEANS = ("turned", "blocks", "constant")
-KEY_MEAN_LABELS = {"turned": "", "blocks": ", block key mean", "constant": ", constant key mean"}
+KEY_MEANS = ("turned", "blocks", "constant", "blocks4", "blocks8", "blocks16")
+KEY_MEAN_LABELS = {"turned": "", "blocks": ", block key mean", "constant": ", constant key mean",
+                   "blocks4": ", block mean top 4 pairs", "blocks8": ", block mean top 8 pairs",
+                   "blocks16": ", block mean top 16 pairs"}
 
 
 def default_configs(window: int, bits: Sequence[float] = (2.5, 3, 3.5, 4),

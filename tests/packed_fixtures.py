@@ -42,19 +42,20 @@ def rel(a, b) -> float:
 
 def filled_cache(kv_bits, d, h_kv, n, window=16, seed=0, block_mean=False):
     """A cache holding n random tokens; ``block_mean``: keys after a RoPE
-    with a strong pre-RoPE offset, centred on its per-block turned mean (as
-    caches on a GPU are)."""
+    with a strong pre-RoPE offset, centred on its per-block turned mean over
+    the top ``MEAN_PAIRS`` pairs and a constant mean (as caches on a GPU
+    are)."""
     import mlx.nn as nn
 
     from turboquant.cache import TurboQuantKVCache
-    from turboquant.rotary import Rotary
+    from turboquant.rotary import MEAN_PAIRS, Rotary
 
     mx.random.seed(seed)
     cache = TurboQuantKVCache(kv_bits=kv_bits, window=window)
     k = mx.random.normal((1, h_kv, n, d)) + 0.5  # offset: exercises centring
     if block_mean:
         rope = nn.RoPE(d, base=10000.0)
-        cache.rotary, cache.mean_blocks = Rotary.of(rope).canonical(), True
+        cache.rotary, cache.mean_blocks, cache.mean_pairs = Rotary.of(rope).canonical(), True, MEAN_PAIRS
         k = rope(k + 2.0 * mx.random.normal((1, h_kv, 1, d)))
     v = mx.random.normal((1, h_kv, n, d))
     cache.update_and_fetch(k, v)

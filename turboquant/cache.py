@@ -334,6 +334,55 @@ class TurboQuantKVCache(_BaseCache):
 
         return self.rotary.block_bias(q, self.key_mean_pre, self.sink_len, -(-n // MEAN_BLOCK))
 
+    mean_pairs = 0  # rotary pairs turned per layer at the first flush (0: all)
+
+    @property
+    def turned_pairs(self) -> Optional[tuple]:
+        """The ``MEAN_PAIRS`` rotary pairs the fused step's compact table
+        covers: every pair whose pre-RoPE mean is not zero (padded with
+        others), or None where more than that many are (then the kernels
+        read the full table).  One host read per cache."""
+        from .rotary import MEAN_PAIRS
+
+        m = self.key_mean_pre
+        held = getattr(self, "_turned_pairs", None)
+        if held is not None and held[0] is m:
+            return held[1]
+        import numpy as np
+
+        h = self.rotary.dims // 2
+        m1, m2, _ = self.rotary._halves(m.astype(mx.float32))
+        live = np.flatnonzero(np.asarray((m1 * m1 + m2 * m2).sum(axis=(0, 1, 2))) > 0)
+        pairs = None
+        if len(live) <= MEAN_PAIRS <= h:
+            rest = [j for j in range(h) if j not in set(live.tolist())]
+            pairs = tuple(sorted(live.tolist() + rest[: MEAN_PAIRS - len(live)]))
+        self._turned_pairs = (m, pairs)
+        return pairs
+
+    def _top_pairs(self, m: mx.array) -> mx.array:
+        """A 0/1 mask [D] over the layer's top ``mean_pairs`` rotary pairs by
+        (m1^2 + m2^2) * Dirichlet factor^2, summed over batch and heads."""
+        import numpy as np
+
+        from .rotary import MEAN_BLOCK
+
+        r = self.rotary
+        m1, m2, _ = r._halves(m.astype(mx.float32))
+        th = np.asarray(r.theta, np.float64)
+        dirichlet = np.where(np.abs(np.sin(th / 2)) < 1e-12, 1.0,
+                             np.sin(MEAN_BLOCK * th / 2) / (MEAN_BLOCK * np.sin(th / 2) + 1e-300))
+        energy = np.asarray((m1 * m1 + m2 * m2).sum(axis=(0, 1, 2))) * dirichlet ** 2
+        keep = np.zeros(r.dims // 2, np.float32)
+        keep[np.argsort(-energy)[: self.mean_pairs]] = 1.0
+        D = m.shape[-1]
+        full = np.zeros(D, np.float32)
+        if r.traditional:
+            full[0:r.dims:2], full[1:r.dims:2] = keep, keep
+        else:
+            full[: r.dims // 2], full[r.dims // 2: r.dims] = keep, keep
+        return mx.array(full)
+
     def _flush(self, excess: int | None = None) -> None:
         """Quantize the tokens beyond the exact window (``excess`` of them,
         default :meth:`_flush_len`) into packed storage."""
@@ -354,6 +403,12 @@ class TurboQuantKVCache(_BaseCache):
                 pos = mx.arange(s, s + wk.shape[2])
                 self.key_mean_pre = shrunk_mean(self.rotary.rotate(wk, -pos), axis=2)
                 self.key_mean = mx.zeros_like(self.key_mean_pre)
+                if self.mean_blocks and self.mean_pairs:
+                    # turn only the layer's top pairs by the energy a block
+                    # mean removes (rotary.MEAN_PAIRS); a constant mean for the rest
+                    self.key_mean_pre = self.key_mean_pre * self._top_pairs(self.key_mean_pre)
+                    self.key_mean = shrunk_mean(wk - self.rotary.turned(self.key_mean_pre, s, s + wk.shape[2],
+                                                                         self.mean_origin), axis=2)
             else:
                 self.key_mean = shrunk_mean(self.window_keys[:, :, s:], axis=2)
             self.value_mean = shrunk_mean(self.window_values[:, :, s:], axis=2)

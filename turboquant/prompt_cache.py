@@ -20,7 +20,7 @@ from .attention.route import block_mean_wanted
 from .cache import TurboQuantKVCache
 from .integration import install
 from .policy import SINK_TOKENS, parse_kv_policy
-from .rotary import Rotary
+from .rotary import MEAN_PAIRS, Rotary
 
 
 def _plain_kv_types() -> tuple[type, ...]:
@@ -141,6 +141,7 @@ def make_prompt_cache(
         caches[i] = TurboQuantKVCache(policy=policy, layer=i)
         caches[i].rotary = rotaries.get(i)
         caches[i].mean_blocks = blocks
+        caches[i].mean_pairs = MEAN_PAIRS if blocks else 0
     return caches
 
 

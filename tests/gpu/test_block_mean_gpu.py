@@ -120,3 +120,21 @@ def test_key_bias_kernel_matches_its_mlx_ops(monkeypatch, rope, d, R, dtype):
         assert got.shape == want.shape == (2, -(-n // 32), -(-R // 8) * 8)
         # (the ops' product runs through MLX's GPU matmul: TF32 on NVIDIA)
         assert rel(got, want) < 2e-3 and not mx.any(got[..., R:]).item()
+
+
+@pytest.mark.skipif(not CUDA, reason="the fused step is CUDA only")
+def test_a_cache_turning_more_pairs_than_the_compact_table_takes_tc8(monkeypatch):
+    """Every pair turned (a cache made with ``mean_pairs`` 0, e.g. loaded
+    from elsewhere): the fused step declines and tc8 with the key-bias
+    kernel's full table gives the reference's answer."""
+    d, h_kv, g = 128, 2, 4
+    cache = filled_cache(3.5, d, h_kv, 2000, block_mean=True)
+    cache.mean_pairs = 0
+    k = mx.random.normal((1, h_kv, 1, d)) + 0.5
+    wk, wv = cache.update_and_fetch(k, k * 0.5)
+    assert cache.turned_pairs is None
+    q = mx.random.normal((1, h_kv * g, 1, d))
+    monkeypatch.setenv("TQ_KERNELS", "gpu")
+    assert step_plan.fused_step(q, wk, wv, cache, d**-0.5) is None
+    ref = reference_attention(q, wk, wv, cache, d**-0.5, None)
+    assert rel(turboquant_attention(q, wk, wv, cache, d**-0.5, None), ref) < 6e-3

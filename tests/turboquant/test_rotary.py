@@ -324,3 +324,37 @@ def test_turned_from_the_table_is_rotate():
         m = mx.random.normal((1, 2, 1, D), key=mx.random.key(7))
         want = r.rotate(mx.broadcast_to(m, (1, 2, 200, D)), mx.arange(100, 300))
         assert mx.allclose(r.turned(m, 100, 300), want, atol=1e-5)
+
+
+def test_a_gpu_cache_turns_its_top_pairs_and_centres_the_rest_on_a_constant():
+    """``mean_pairs``: the pre-RoPE mean is kept on the layer's top pairs
+    only (by the energy a block mean removes), the rest of the offset goes
+    to the constant mean; attention is still exact over the reconstruction
+    (the reference adds both back) and ``turned_pairs`` names the pairs the
+    fused step's compact table covers."""
+    import numpy as np
+    from packed_fixtures import dense_reference, filled_cache
+
+    from turboquant.attention.reference import reference_attention
+    from turboquant.rotary import MEAN_PAIRS
+
+    c = filled_cache(3.5, 128, 2, 600, block_mean=True)
+    k = mx.random.normal((1, 2, 1, 128))
+    wk, wv = c.update_and_fetch(k, k)
+    m = np.asarray(c.key_mean_pre).reshape(2, 128)
+    live = np.flatnonzero((m[:, :64] ** 2 + m[:, 64:] ** 2).sum(0) > 0)
+    assert 0 < len(live) <= MEAN_PAIRS and float(mx.abs(c.key_mean).max()) > 0.1
+    pairs = c.turned_pairs
+    assert len(pairs) == MEAN_PAIRS and set(live) <= set(pairs) and list(pairs) == sorted(pairs)
+    table = c.rotary.block_table(c.sink_len, 10, pairs)
+    full = c.rotary.block_table(c.sink_len, 10)
+    cols = list(pairs) + [64 + j for j in pairs]
+    assert mx.allclose(table[:10], full[:10, mx.array(cols)], atol=1e-6)
+    q = mx.random.normal((1, 8, 1, 128))
+    out = reference_attention(q, wk, wv, c, 0.088)
+    assert mx.allclose(out, dense_reference(q, c, wk, wv, 0.088, None), atol=1e-4)
+    c.mean_pairs = 0  # all pairs turned: more than the compact table holds
+    c2 = filled_cache(3.5, 128, 2, 600, block_mean=True)
+    c2.mean_pairs = 0
+    c2.update_and_fetch(k, k)
+    assert c2.turned_pairs is None

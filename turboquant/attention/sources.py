@@ -54,7 +54,9 @@ KERNELS: dict[str, KernelSource] = {
                                  cuda_only=True),
     "tq_decode_tc8": KernelSource(_TC, _TC8_BODY, _TC_INPUTS, ("ws",), cuda_only=True),
     "tq_decode_tc8_fused": KernelSource(
-        _TC, _TC8_BODY, _TC_INPUTS + ("wk", "wv", "signs", "vsigns", "km", "vm", "cnt", "dep"), ("ws", "out"),
+        _TC, _TC8_BODY, _TC_INPUTS + ("wk", "wv", "signs", "vsigns", "km", "vm", "cnt", "dep", "kpairs",
+                           "kmpre"),
+        ("ws", "out"),
         defines="\n#define TC8_FUSED 1\n", cuda_only=True),
 }
 SHARED_KERNELS = tuple(k for k, s in KERNELS.items() if not s.cuda_only)

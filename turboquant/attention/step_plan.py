@@ -16,12 +16,13 @@ from __future__ import annotations
 import dataclasses
 import os
 import weakref
+from functools import lru_cache
 from typing import Optional
 
 import mlx.core as mx
 
 from . import device, table
-from ..rotary import MEAN_BLOCK
+from ..rotary import MEAN_BLOCK, MEAN_PAIRS
 from .compose import block_mean, value_rotation
 from .pair_tables import centroids, f32, kernel_tables
 from .params import float_bits, meta, tc8_head
@@ -29,6 +30,12 @@ from .route import Route, choose, describe
 from .sources import kernel_for
 
 _NO_MEAN: list = []
+
+
+@lru_cache(maxsize=256)
+def _pairs_array(pairs: tuple) -> mx.array:
+    """The fused step's pair list (int32), one array per distinct tuple."""
+    return mx.array(pairs, mx.int32)
 
 
 def _mean_or_zero(m: Optional[mx.array]):
@@ -81,11 +88,12 @@ class StepPlan:
         m0 = mx.zeros((1,), mx.float32)  # stand-ins: only the dtypes name the kernel
         probe = [queries, cache.keys_packed, cache.keys_norms, cache.values_packed, cache.values_norms,
                  *self.tables, meta(0), m0, window_keys, window_values, self.signs, self.vsigns, m0, m0,
-                 self.counters, self.last[0]]
+                 self.counters, self.last[0], meta(0), m0]
         self.kernel = kernel_for("tq_decode_tc8_fused", cfg["PRELUDE"], probe,
                                  [mx.float32, queries.dtype],
                                  cfg["TEMPLATE"] + (("KB", int(self.block_mean)),
-                                                    ("TRAD", int(self.block_mean and cache.rotary.traditional))))
+                                                    ("TRAD", int(self.block_mean and cache.rotary.traditional)),
+                                                    ("KP", MEAN_PAIRS)))
 
     def _mean(self, m):
         hit = self.means.get(id(m))
@@ -95,8 +103,10 @@ class StepPlan:
             hit = self.means[id(m)] = (m, *_mean_or_zero(m))
         return hit[1], hit[2]
 
-    def covers(self, n: int, w: int) -> bool:
-        return n > 0 and 1 <= w <= self.max_w
+    def covers(self, n: int, w: int, cache=None) -> bool:
+        """This step's packed and window lengths fit; a block-mean cache also
+        needs its turned pairs to fit the compact table (``turned_pairs``)."""
+        return n > 0 and 1 <= w <= self.max_w and (not self.block_mean or cache.turned_pairs is not None)
 
     def launch(self, queries, window_keys, window_values, cache) -> mx.array:
         n = cache.packed_len
@@ -109,12 +119,13 @@ class StepPlan:
             head = tc8_head(n, cache.keys_packed.shape[2], cfg, self.grid_yz[0], R, fused=True)
             per = self.per_n[n] = (head, (cfg["GRID_X"], cfg["WS"]))
         head, (grid_x, ws) = per
-        if self.block_mean:  # the constant key mean is zero; the table and the pre-RoPE mean instead
-            km, has_km = cache.key_mean_pre, 0
-            kb = cache.rotary.block_table(cache.sink_len, -(-n // MEAN_BLOCK))
+        km, has_km = self._mean(getattr(cache, "key_mean", None))
+        if self.block_mean:  # the compact table of the layer's turned pairs, and their pre-RoPE mean
+            pairs = cache.turned_pairs
+            kb = cache.rotary.block_table(cache.sink_len, -(-n // MEAN_BLOCK), pairs)
+            kpairs, kmpre = _pairs_array(pairs), cache.key_mean_pre
         else:
-            km, has_km = self._mean(getattr(cache, "key_mean", None))
-            kb = _mean_or_zero(None)[0]
+            kb = kpairs = kmpre = _mean_or_zero(None)[0]
         vm, has_vm = self._mean(getattr(cache, "value_mean", None))
         slot = self.slot
         self.slot = (slot + 1) % table.TC8_COUNTER_RING
@@ -124,7 +135,7 @@ class StepPlan:
         out = self.kernel(
             inputs=[queries, cache.keys_packed, cache.keys_norms, cache.values_packed, cache.values_norms,
                     ktab, vtab, params, kb, window_keys, window_values, self.signs, self.vsigns, km, vm,
-                    self.counters, self.last[slot]],
+                    self.counters, self.last[slot], kpairs, kmpre],
             grid=(grid_x, *self.grid_yz), threadgroup=self.tg, output_shapes=[(ws,), self.out_shape],
             output_dtypes=[mx.float32, self.out_dtype],
         )[1]  # no init_value: the kernel writes every element before reading it
@@ -180,7 +191,7 @@ def fused_step(queries, window_keys, window_values, cache, scale) -> Optional[mx
     """The decode step in one launch where its plan covers it, else None
     (then the general dispatch runs, and ``choose`` decides the same way)."""
     plan = plan_for(queries, window_keys, window_values, cache, scale)
-    if plan is None or not plan.covers(cache.packed_len, window_keys.shape[2]):
+    if plan is None or not plan.covers(cache.packed_len, window_keys.shape[2], cache):
         return None
     return plan.launch(queries, window_keys, window_values, cache)
 
@@ -191,6 +202,6 @@ def decode_step(queries, window_keys, window_values, cache, scale,
     shape than the table's if asked: for tests and benchmarks.  The caller
     checks that ``choose`` routes the call to FUSED_STEP."""
     plan = StepPlan(queries, window_keys, window_values, cache, scale, blocks, warps)
-    if not plan.covers(cache.packed_len, window_keys.shape[2]):
+    if not plan.covers(cache.packed_len, window_keys.shape[2], cache):
         raise ValueError("decode_step: the fused step does not cover this window")
     return plan.launch(queries, window_keys, window_values, cache)
