@@ -42,10 +42,11 @@ trellis (``tcq``) quantizers; mlx-vlm's ``TurboQuantKVCache`` at the same
 widths; mlx-lm's affine ``QuantizedKVCache`` at 4 and 2 bits (group 64).
 tqpipe's caches centre keys as they would on this CPU: on the pre-RoPE mean
 turned to each position.  ``--key-mean blocks`` adds (or, alone, runs) rows
-whose keys are centred on that mean averaged over each block of 32 packed
-tokens, as caches on a GPU are (the kernels add one score term per block
-back): the quality GPU users get.  ``constant``: one constant key mean, as
-GPU caches had before the kernels took the block term.
+whose keys are centred as caches on a GPU centre them: on that mean averaged
+over each block of 32 packed tokens, on each layer's top ``MEAN_PAIRS``
+rotary pairs (the kernels add one score term per block back): the quality
+GPU users get.  ``constant``: one constant key mean, as GPU caches had
+before the kernels took the block term.
 """
 
 from __future__ import annotations
@@ -62,6 +63,8 @@ from typing import Any, Sequence
 
 import turboquant  # noqa: F401  (fast CPU BLAS before mlx.core)
 import mlx.core as mx
+
+from turboquant.rotary import MEAN_PAIRS
 
 TOPICS = ("specialnames", "compound", "types", "formatstrings")  # pydoc_data.topics keys, longest first
 
@@ -105,8 +108,8 @@ class CacheConfig:
         if self.scheme == "turboquant":
             caches = make_prompt_cache(model, kv_bits=self.bits, window=self.window, quantizer=self.quantizer)
             for c in caches:  # whatever this machine would choose: the row's key centring
-                c.mean_blocks = self.key_mean.startswith("blocks")
-                c.mean_pairs = int(self.key_mean[6:] or 0) if c.mean_blocks else 0
+                c.mean_blocks = self.key_mean == "blocks"
+                c.mean_pairs = MEAN_PAIRS if c.mean_blocks else 0
                 if self.key_mean == "constant":
                     c.rotary = None
             return caches
@@ -120,10 +123,8 @@ class CacheConfig:
 
 SCHEMES = ("fp16", "affine", "mlx-vlm", "turboquant")
 QUANTIZERS = ("scalar", "tcq")
-KEY_MEANS = ("turned", "blocks", "constant", "blocks4", "blocks8", "blocks16")
-KEY_MEAN_LABELS = {"turned": "", "blocks": ", block key mean", "constant": ", constant key mean",
-                   "blocks4": ", block mean top 4 pairs", "blocks8": ", block mean top 8 pairs",
-                   "blocks16": ", block mean top 16 pairs"}
+KEY_MEANS = ("turned", "blocks", "constant")
+KEY_MEAN_LABELS = {"turned": "", "blocks": ", block key mean", "constant": ", constant key mean"}
 
 
 def default_configs(window: int, bits: Sequence[float] = (2.5, 3, 3.5, 4),

@@ -314,7 +314,7 @@ def test_replayed_teacher_forcing_reads_what_decode_steps_read(tiny_lm):
                quality.CacheConfig("ours, window 8", "turboquant", 3.5, 8),
                quality.CacheConfig("ours tcq, window 0", "turboquant", 2.5, 0, "tcq"),
                quality.CacheConfig("ours, window 8, constant mean", "turboquant", 3.5, 8, "scalar", "constant"),
-               quality.CacheConfig("ours, window 0, block mean", "turboquant", 3.5, 0, "scalar", "blocks16"),
+               quality.CacheConfig("ours, window 0, block mean", "turboquant", 3.5, 0, "scalar", "blocks"),
                quality.CacheConfig("mlx-vlm 3.5", "mlx-vlm", 3.5)]
     for config in configs:
         runs = []
