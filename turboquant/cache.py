@@ -94,6 +94,7 @@ def shrunk_mean(x: mx.array, axis: int = 2) -> mx.array:
     shrink = mx.maximum(1.0 - var / mx.maximum(n * m * m, 1e-30), 0.0)
     return m * shrink
 
+
 def flush_count(exact: int, window: int, flush_batch: int) -> int:
     """Tokens an append packs when ``exact`` tokens beyond the sinks are held:
     all beyond the window once at least ``flush_batch`` of them wait (a
@@ -139,6 +140,7 @@ class TurboQuantKVCache(_BaseCache):
     rotary = None
     key_mean_pre: Optional[mx.array] = None
     mean_blocks = False
+    mean_pairs = 0  # rotary pairs turned per layer at the first flush (0: all)
 
     step = 256  # capacity granularity in tokens
     growth = 1.5
@@ -334,8 +336,6 @@ class TurboQuantKVCache(_BaseCache):
 
         return self.rotary.block_bias(q, self.key_mean_pre, self.sink_len, -(-n // MEAN_BLOCK))
 
-    mean_pairs = 0  # rotary pairs turned per layer at the first flush (0: all)
-
     @property
     def turned_pairs(self) -> Optional[tuple]:
         """The ``MEAN_PAIRS`` rotary pairs the fused step's compact table
@@ -351,14 +351,20 @@ class TurboQuantKVCache(_BaseCache):
         import numpy as np
 
         h = self.rotary.dims // 2
-        m1, m2, _ = self.rotary._halves(m.astype(mx.float32))
-        live = np.flatnonzero(np.asarray((m1 * m1 + m2 * m2).sum(axis=(0, 1, 2))) > 0)
+        live = np.flatnonzero(self._pair_energy(m) > 0)
         pairs = None
         if len(live) <= MEAN_PAIRS <= h:
             rest = [j for j in range(h) if j not in set(live.tolist())]
             pairs = tuple(sorted(live.tolist() + rest[: MEAN_PAIRS - len(live)]))
         self._turned_pairs = (m, pairs)
         return pairs
+
+    def _pair_energy(self, m: mx.array):
+        """Each rotary pair's squared pre-RoPE mean, summed over batch and heads (NumPy [dims / 2])."""
+        import numpy as np
+
+        m1, m2, _ = self.rotary._halves(m.astype(mx.float32))
+        return np.asarray((m1 * m1 + m2 * m2).sum(axis=(0, 1, 2)))
 
     def _top_pairs(self, m: mx.array) -> mx.array:
         """A 0/1 mask [D] over the layer's top ``mean_pairs`` rotary pairs by
@@ -368,11 +374,10 @@ class TurboQuantKVCache(_BaseCache):
         from .rotary import MEAN_BLOCK
 
         r = self.rotary
-        m1, m2, _ = r._halves(m.astype(mx.float32))
         th = np.asarray(r.theta, np.float64)
         dirichlet = np.where(np.abs(np.sin(th / 2)) < 1e-12, 1.0,
                              np.sin(MEAN_BLOCK * th / 2) / (MEAN_BLOCK * np.sin(th / 2) + 1e-300))
-        energy = np.asarray((m1 * m1 + m2 * m2).sum(axis=(0, 1, 2))) * dirichlet ** 2
+        energy = self._pair_energy(m) * dirichlet ** 2
         keep = np.zeros(r.dims // 2, np.float32)
         keep[np.argsort(-energy)[: self.mean_pairs]] = 1.0
         D = m.shape[-1]
