@@ -193,6 +193,8 @@ def measure_row(model, cfg: dict, context: int, cache: str, *, tokens: int, chun
     engine = Engine(loaded, cache_spec(cache, chunk))
     task = TaskSpec(name="t", prompt="x", max_tokens=tokens)
     suffix = [11, 12, 13, 14]
+    mx.clear_cache()
+    mx.reset_peak_memory()
     ttft = None
     if context <= ttft_max:
         ids = [(7 * i + 3) % 4000 + 100 for i in range(context)]
@@ -205,7 +207,7 @@ def measure_row(model, cfg: dict, context: int, cache: str, *, tokens: int, chun
         engine.run_task(engine.prefill(prompt_of(min(context, 2 * chunk))), first, suffix)  # warm-up
         engine.cache = None
         mx.clear_cache()
-        mx.reset_peak_memory()
+        mx.reset_peak_memory()  # the row's peak is the timed prefill's
         prompt = prompt_of(context)
         t0 = time.perf_counter()
         state = engine.prefill(prompt, reserve=len(suffix) + tokens)
@@ -214,8 +216,6 @@ def measure_row(model, cfg: dict, context: int, cache: str, *, tokens: int, chun
     else:
         from pipeline.inference.engine import _make_cache
 
-        mx.clear_cache()
-        mx.reset_peak_memory()
         engine.cache = _make_cache(model, engine.cache_spec)
         _fill(engine.cache, cfg, context, dtype)
         state = _state(engine, context)
