@@ -130,7 +130,7 @@ def _turboquant_packed_partial(q: mx.array, doc) -> tuple[mx.array, mx.array]:
     16-row-tile tc kernel beyond, SIMT for a few rows on other GPUs), else
     the blockwise reference path."""
     from .attention import launchers
-    from .attention.compose import value_rotation
+    from .attention.compose import block_mean, value_rotation
     from .attention.pair_tables import centroids
     from .attention.reference import _packed_part
     from .attention.route import Route
@@ -143,6 +143,7 @@ def _turboquant_packed_partial(q: mx.array, doc) -> tuple[mx.array, mx.array]:
             q_rot, doc.keys_packed, doc.keys_norms, doc.values_packed, doc.values_norms,
             centroids(doc.key_codec), centroids(doc.value_codec),
             doc.packed_len, doc.key_codec.bits, doc.value_codec.bits, route,
+            key_bias=launchers.key_bias(doc, q, doc.packed_len) if block_mean(doc) else None,
         )
         lse, out_rot = lse_p[..., None], out_p
     else:  # reference (no GPU, a trellis codec, or rows the SIMT kernel does not take)

@@ -39,3 +39,27 @@ def test_kernel_rows_match_the_reference_path(monkeypatch, rows, L):
         assert route.value == ("tc8" if rows * G * L <= 8 else "tc")
     ref, got = run("reference"), run("gpu")
     assert mx.allclose(got, ref, atol=3e-3, rtol=3e-2), float(mx.abs(got - ref).max())
+
+
+@pytest.mark.parametrize("rows", [2, 8])  # x group 4: tc8, then tc
+def test_block_mean_document_rows_match_the_reference_path(monkeypatch, rows):
+    """A document centred on a block mean (as made on a GPU): the kernel
+    read adds each block's key bias back, as the reference path does."""
+    from packed_fixtures import filled_cache
+
+    H, G, D = 2, 4, 128
+    doc = filled_cache(3.5, D, H, 4000, block_mean=True)
+    doc.settle()
+    doc.hold = True
+    mx.random.seed(rows)
+    q = (2.0 * mx.random.normal((rows, H * G, 1, D))).astype(mx.bfloat16)
+    t = mx.random.normal((rows, H, 1, D)).astype(mx.bfloat16)
+
+    def run(mode):
+        monkeypatch.setenv("TQ_KERNELS", mode)
+        c = SharedPrefixCache(doc, [0] * rows)
+        tk, tv = c.update_and_fetch(t, t)
+        return shared_prefix_attention(q, tk, tv, c, D ** -0.5).astype(mx.float32)
+
+    ref, got = run("reference"), run("gpu")
+    assert mx.allclose(got, ref, atol=3e-3, rtol=3e-2), float(mx.abs(got - ref).max())

@@ -106,3 +106,34 @@ def test_document_read_once_for_all_rows(monkeypatch):
     mx.eval(shared_prefix_attention(mx.random.normal((4, H_KV * G, 1, D)), tk, tv, rows, SCALE))
     assert seen == [(1, H_KV, 4 * G, D)]
 
+
+
+def test_kernel_read_of_a_block_mean_document_adds_the_block_bias(monkeypatch):
+    """Rows over a document centred on a block mean (as made on a GPU), read
+    by a split-K kernel route: the kernel gets the block's key bias, so the
+    rows equal the reference read (kernels replaced by MLX ops)."""
+    from packed_fixtures import fake_decode, filled_cache
+
+    from turboquant import shared_prefix
+    from turboquant.attention import launchers
+    from turboquant.attention.route import Route
+
+    doc = filled_cache(3.5, D, H_KV, 700, block_mean=True)
+    doc.settle()
+    doc.hold = True
+    assert doc.mean_blocks and doc.key_mean_pre is not None and doc.packed_len > 64
+    mx.random.seed(4)
+    q = mx.random.normal((2, H_KV * G, 1, D)) * 2.0
+    t = mx.random.normal((2, H_KV, 1, D))
+
+    def rows_out():
+        rows = SharedPrefixCache(doc, [0, 0])
+        tk, tv = rows.update_and_fetch(t, t)
+        return shared_prefix_attention(q, tk, tv, rows, SCALE)
+
+    ref = rows_out()
+    monkeypatch.setattr(shared_prefix, "_document_route", lambda q, doc: Route.TC8)
+    monkeypatch.setattr(launchers, "decode", fake_decode)
+    monkeypatch.setattr(launchers, "key_bias", launchers.key_bias_ops)
+    got = rows_out()
+    assert mx.allclose(got, ref, atol=1e-4, rtol=1e-4), float(mx.abs(got - ref).max())
