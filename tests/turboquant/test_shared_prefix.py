@@ -107,7 +107,6 @@ def test_document_read_once_for_all_rows(monkeypatch):
     assert seen == [(1, H_KV, 4 * G, D)]
 
 
-
 def test_kernel_read_of_a_block_mean_document_adds_the_block_bias(monkeypatch):
     """Rows over a document centred on a block mean (as made on a GPU), read
     by a split-K kernel route: the kernel gets the block's key bias, so the
