@@ -114,15 +114,15 @@ CASES = [
     ("tq_decode_tc8", _TC_INS, ["float32"], [("D", 128), ("BK", 4), ("BV", 4), ("NW", 8), ("KB", 0), ("MINB", 2)]),
     ("tq_decode_tc8", _TC_INS, ["float32"], [("D", 64), ("BK", 2), ("BV", 3), ("NW", 8), ("KB", 0), ("MINB", 2)]),
     ("tq_decode_tc8_fused", _fused_ins("float16"), ["float32", "float16"],  # the default step (3.5)
-     [("D", 128), ("BK", 4), ("BV", 3), ("NW", 8), ("KB", 0), ("TRAD", 0), ("KP", 16), ("MINB", 2)]),
+     [("D", 128), ("BK", 4), ("BV", 3), ("NW", 8), ("KB", 0), ("TRAD", 0), ("KP", 16), ("QSC", 0), ("MINB", 2)]),
     ("tq_decode_tc8_fused", _fused_ins("bfloat16"), ["float32", "bfloat16"],  # 2.5
-     [("D", 64), ("BK", 3), ("BV", 2), ("NW", 8), ("KB", 0), ("TRAD", 0), ("KP", 16), ("MINB", 2)]),
+     [("D", 64), ("BK", 3), ("BV", 2), ("NW", 8), ("KB", 0), ("TRAD", 0), ("KP", 16), ("QSC", 0), ("MINB", 2)]),
     ("tq_decode_tc8_fused", _fused_ins("float16"), ["float32", "float16"],
-     [("D", 128), ("BK", 3), ("BV", 4), ("NW", 8), ("KB", 0), ("TRAD", 0), ("KP", 16), ("MINB", 2)]),
+     [("D", 128), ("BK", 3), ("BV", 4), ("NW", 8), ("KB", 0), ("TRAD", 0), ("KP", 16), ("QSC", 0), ("MINB", 2)]),
     ("tq_decode_tc8_fused", _fused_ins("bfloat16"), ["float32", "bfloat16"],
-     [("D", 64), ("BK", 2), ("BV", 3), ("NW", 8), ("KB", 0), ("TRAD", 0), ("KP", 16), ("MINB", 2)]),
+     [("D", 64), ("BK", 2), ("BV", 3), ("NW", 8), ("KB", 0), ("TRAD", 0), ("KP", 16), ("QSC", 0), ("MINB", 2)]),
     ("tq_decode_tc8_fused", _fused_ins("float32"), ["float32", "float32"],
-     [("D", 128), ("BK", 4), ("BV", 4), ("NW", 8), ("KB", 0), ("TRAD", 0), ("KP", 16), ("MINB", 2)]),
+     [("D", 128), ("BK", 4), ("BV", 4), ("NW", 8), ("KB", 0), ("TRAD", 0), ("KP", 16), ("QSC", 0), ("MINB", 2)]),
     ("tq_decode_reduce", ["float32", "float32", "float32", "int32"], ["float32"] * 2, [("D", 128)]),
     ("tq_dequant", ["uint32", "float16", "float32", "float32", "int32"], ["float16"],
      [("D", 128), ("BITS", 3), ("T", "float16")]),
@@ -145,13 +145,15 @@ CASES = [
     ("tq_decode_tc", _TC_INS, ["float32"] * 3, [("D", 64), ("BK", 3), ("BV", 2), ("GL", 8), ("NW", 4), ("KB", 1)]),
     ("tq_decode_tc8", _TC_INS, ["float32"], [("D", 128), ("BK", 4), ("BV", 3), ("NW", 8), ("KB", 1), ("MINB", 2)]),
     ("tq_decode_tc8_fused", _fused_ins("float16"), ["float32", "float16"],
-     [("D", 128), ("BK", 4), ("BV", 3), ("NW", 8), ("KB", 1), ("TRAD", 0), ("KP", 16), ("MINB", 2)]),
+     [("D", 128), ("BK", 4), ("BV", 3), ("NW", 8), ("KB", 1), ("TRAD", 0), ("KP", 16), ("QSC", 0), ("MINB", 2)]),
     ("tq_decode_tc8_fused", _fused_ins("bfloat16"), ["float32", "bfloat16"],
-     [("D", 128), ("BK", 4), ("BV", 3), ("NW", 8), ("KB", 1), ("TRAD", 0), ("KP", 16), ("MINB", 2)]),
+     [("D", 128), ("BK", 4), ("BV", 3), ("NW", 8), ("KB", 1), ("TRAD", 0), ("KP", 16), ("QSC", 0), ("MINB", 2)]),
     ("tq_decode_tc8_fused", _fused_ins("bfloat16"), ["float32", "bfloat16"],
-     [("D", 64), ("BK", 3), ("BV", 2), ("NW", 8), ("KB", 1), ("TRAD", 0), ("KP", 16), ("MINB", 2)]),
+     [("D", 64), ("BK", 3), ("BV", 2), ("NW", 8), ("KB", 1), ("TRAD", 0), ("KP", 16), ("QSC", 0), ("MINB", 2)]),
     ("tq_decode_tc8_fused", _fused_ins("float16"), ["float32", "float16"],
-     [("D", 128), ("BK", 4), ("BV", 4), ("NW", 8), ("KB", 1), ("TRAD", 1), ("KP", 16), ("MINB", 2)])]
+     [("D", 128), ("BK", 4), ("BV", 4), ("NW", 8), ("KB", 1), ("TRAD", 1), ("KP", 16), ("QSC", 0), ("MINB", 2)]),
+    ("tq_decode_tc8_fused", _fused_ins("bfloat16"), ["float32", "bfloat16"],  # a key-scaled cache: signs per head
+     [("D", 128), ("BK", 4), ("BV", 3), ("NW", 8), ("KB", 1), ("TRAD", 0), ("KP", 16), ("QSC", 1), ("MINB", 2)])]
 
 # launched with the launch shape compiled into the body, not as template
 # arguments (attention/step_plan.py)

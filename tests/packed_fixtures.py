@@ -129,6 +129,8 @@ def dense_reference(q, cache, wk, wv, scale, mask):
     if P:
         kh = cache.key_codec.dequantize(cache.keys_packed[:, :, :P], cache.keys_norms[:, :, :P])
         vh = cache.value_codec.dequantize(cache.values_packed[:, :, :P], cache.values_norms[:, :, :P])
+        if getattr(cache, "key_scale", None) is not None:  # packed keys hold (key - means) / key_scale
+            kh = kh * cache.key_scale
         if getattr(cache, "key_mean_pre", None) is not None:  # the turned mean (or its block average)
             kh = kh + cache.turned_key_mean(S, S + P)
         keys = mx.concatenate([keys[:, :, :S], kh + cache.key_mean, keys[:, :, S:]], axis=2)

@@ -44,7 +44,7 @@ with ``bits`` to its affine quantized attention.
 
 Masks from ``make_mask`` cover the columns ``update_and_fetch`` returns (the
 exact tokens): the packed history precedes every query, so causal attention
-sees all of it.  ``state`` is eight arrays (None where empty) followed by
+sees all of it.  ``state`` is twelve arrays (None where empty) followed by
 the meta strings, because mlx-lm's ``save_prompt_cache`` saves ``state``
 only; the meta strings start with the format version (``FORMAT``), and a
 cache saved in another format is refused with the version it carries.
@@ -71,7 +71,13 @@ from .rotary import Rotary
 # at the front of the exact tokens; format 1 (no version field) had neither.
 # 3: keys may be centred on a turned pre-RoPE mean (key_mean_pre, rotary_theta).
 # 4: ... or on its average over blocks of packed tokens (mean_blocks).
-FORMAT = "tqcache-4"
+# 5: packed keys divided by a per-channel key scale (key_scale), and the
+# query energy that calibrates it before the first flush (query_sumsq).
+FORMAT = "tqcache-5"
+
+# The power of (E k^2 / E q^2) per channel that key_scale^2 follows, see
+# TurboQuantKVCache._calibrate_key_scale.
+KEY_SCALE_POWER = 0.25
 
 
 def shrunk_mean(x: mx.array, axis: int = 2) -> mx.array:
@@ -141,6 +147,14 @@ class TurboQuantKVCache(_BaseCache):
     key_mean_pre: Optional[mx.array] = None
     mean_blocks = False
     mean_pairs = 0  # rotary pairs turned per layer at the first flush (0: all)
+    # Per-channel key scale [B, H, 1, D] fixed at the first flush from the
+    # queries attention has seen until then (query_sumsq over query_rows rows
+    # per head, both saved so a cache saved before its first flush still
+    # calibrates): packed keys hold (centred key) / key_scale and their
+    # scores read queries * key_scale.  None (no queries seen): unscaled.
+    key_scale: Optional[mx.array] = None
+    query_sumsq: Optional[mx.array] = None
+    query_rows = 0
 
     step = 256  # capacity granularity in tokens
     growth = 1.5
@@ -388,6 +402,50 @@ class TurboQuantKVCache(_BaseCache):
             full[: r.dims // 2], full[r.dims // 2: r.dims] = keep, keep
         return mx.array(full)
 
+    def observe_queries(self, queries: mx.array) -> None:
+        """Accumulate the queries' per-channel energy until the first flush
+        fixes ``key_scale`` from it (attention calls this before it reads)."""
+        if self.key_mean is not None or self.window_keys is None:
+            return
+        B, _, _, D = queries.shape
+        q = queries.astype(mx.float32).reshape(B, self.window_keys.shape[1], -1, D)
+        self.add_query_energy((q * q).sum(axis=2), q.shape[2])
+
+    def add_query_energy(self, sumsq: mx.array, rows: int) -> None:
+        """``observe_queries`` from its sums: per-channel Σq² [B, H, D] over ``rows`` query rows per head."""
+        if self.key_mean is not None:
+            return
+        self.query_sumsq = sumsq if self.query_sumsq is None else self.query_sumsq + sumsq
+        self.query_rows += rows
+
+    def _calibrate_key_scale(self, centred: mx.array) -> None:
+        """``key_scale`` from the centred keys the means were taken over and
+        the queries seen so far: s² ∝ sqrt(E k² / E q²) per channel minimizes the
+        score error of a rotation-spread quantization error ((Σ a s²)(Σ b/s²),
+        Cauchy-Schwarz), normalized to geometric mean 1.  ``KEY_SCALE_POWER``
+        is half that optimum's: the bound assumes the error stays spread
+        evenly, and on SmolLM2's real activations (benchmarks.quality, window
+        0) a quarter reads KL 0.0254 / 0.0101 at 3.5 / 4 bits against 0.0260 /
+        0.0112 at a half and 0.0292 / 0.0143 unscaled."""
+        if self.query_sumsq is None:
+            return
+        a = self.query_sumsq / max(self.query_rows, 1)
+        b = mx.mean(centred * centred, axis=2)
+        s2 = (mx.maximum(b, 1e-12) / mx.maximum(a, 1e-12)) ** KEY_SCALE_POWER
+        s2 = s2 / mx.exp(mx.mean(mx.log(s2), axis=-1, keepdims=True))
+        s2 = mx.clip(s2, 1 / 16, 16)
+        self.key_scale = mx.sqrt(s2)[:, :, None, :]
+        self.query_sumsq, self.query_rows = None, 0
+
+    def _centred_keys(self, start: int, count: int) -> mx.array:
+        """Window keys ``start:start + count`` (float32) minus the key mean
+        (constant, plus the turned pre-RoPE one where there is a rotary)."""
+        k = self.window_keys[:, :, start : start + count].astype(mx.float32) - self.key_mean
+        if self.rotary is not None:
+            p = start + self.packed_len  # window index -> position
+            k = k - self.turned_key_mean(p, p + count)
+        return k
+
     def _flush(self, excess: int | None = None) -> None:
         """Quantize the tokens beyond the exact window (``excess`` of them,
         default :meth:`_flush_len`) into packed storage."""
@@ -397,7 +455,6 @@ class TurboQuantKVCache(_BaseCache):
         if excess <= 0:
             return
         s = self.sink_len
-        p0 = s + self.packed_len  # position of the first token flushed now
         if self.key_mean is None:
             # All tokens seen so far but the sinks: the best estimate
             # available at the moment the first token is quantized, fixed
@@ -417,9 +474,11 @@ class TurboQuantKVCache(_BaseCache):
             else:
                 self.key_mean = shrunk_mean(self.window_keys[:, :, s:], axis=2)
             self.value_mean = shrunk_mean(self.window_values[:, :, s:], axis=2)
-        old_k = self.window_keys[:, :, s : s + excess].astype(mx.float32) - self.key_mean
-        if self.rotary is not None:
-            old_k = old_k - self.turned_key_mean(p0, p0 + excess)
+            # the scale from the same tokens as the means
+            self._calibrate_key_scale(self._centred_keys(s, self.window_keys.shape[2] - s))
+        old_k = self._centred_keys(s, excess)
+        if self.key_scale is not None:
+            old_k = old_k / self.key_scale
         old_v = self.window_values[:, :, s : s + excess].astype(mx.float32) - self.value_mean
         # The fused quantize kernel on a GPU, the codec (reference) elsewhere.
         k_packed, k_norms = launchers.quantize_any(old_k, self.key_codec)
@@ -480,7 +539,7 @@ class TurboQuantKVCache(_BaseCache):
         return n
 
     _CHECKPOINT_ATTRS = ("offset", "packed_len", "window_keys", "window_values", "key_mean", "key_mean_pre",
-                         "value_mean", "hold")
+                         "value_mean", "key_scale", "query_sumsq", "query_rows", "hold")
 
     def checkpoint(self) -> dict:
         """A cheap marker to come back to with ``restore`` (references, no copies).
@@ -506,6 +565,7 @@ class TurboQuantKVCache(_BaseCache):
         arrays = (
             self.keys_packed, self.keys_norms, self.values_packed, self.values_norms,
             self.window_keys, self.window_values, self.key_mean, self.key_mean_pre, self.value_mean,
+            self.key_scale,
         )
         return sum(a.nbytes for a in arrays if a is not None)
 
@@ -519,7 +579,8 @@ class TurboQuantKVCache(_BaseCache):
                 for a in (self.keys_packed, self.keys_norms, self.values_packed, self.values_norms)
             )
             total += per_token * self.packed_len
-        for a in (self.window_keys, self.window_values, self.key_mean, self.key_mean_pre, self.value_mean):
+        for a in (self.window_keys, self.window_values, self.key_mean, self.key_mean_pre, self.value_mean,
+                  self.key_scale):
             if a is not None:
                 total += a.nbytes
         return total
@@ -528,7 +589,7 @@ class TurboQuantKVCache(_BaseCache):
     _ARRAYS = (
         "window_keys", "window_values", "keys_packed", "keys_norms",
         "values_packed", "values_norms", "key_mean", "value_mean",
-        "key_mean_pre", "rotary_theta",
+        "key_mean_pre", "rotary_theta", "key_scale", "query_sumsq",
     )
 
     @property
@@ -538,7 +599,7 @@ class TurboQuantKVCache(_BaseCache):
 
     @property
     def state(self) -> tuple:
-        """Ten array slots (None where empty) followed by the meta strings.
+        """Twelve array slots (None where empty) followed by the meta strings.
 
         mlx-lm's ``save_prompt_cache`` saves only ``state`` and rebuilds with
         ``from_state(state)``, so the meta data has to travel inside it;
@@ -585,7 +646,7 @@ class TurboQuantKVCache(_BaseCache):
                 self.offset, self.packed_len, dims[0], dims[1], self.quantizer,
                 0 if self.rotary is None else self.rotary.dims,
                 int(self.rotary is not None and self.rotary.traditional),
-                int(bool(self.mean_blocks)),
+                int(bool(self.mean_blocks)), self.query_rows,
             )
         )
 
@@ -596,12 +657,11 @@ class TurboQuantKVCache(_BaseCache):
             found = v[0] if v and v[0].startswith("tqcache-") else "tqcache-1 (no version field)"
             raise ValueError(
                 f"TurboQuantKVCache: this saved cache has format {found}; this tqpipe reads "
-                f"{FORMAT} only (keys centred on a mean turned by RoPE, exactly or per block of "
-                "packed tokens, changed what the saved arrays mean); prefill the document again "
-                "to rebuild it"
+                f"{FORMAT} only (keys scaled per channel before packing changed what the saved "
+                "arrays mean); prefill the document again to rebuild it"
             )
-        if len(v) != 14:
-            raise ValueError(f"TurboQuantKVCache: {FORMAT} meta state has 14 fields, got {len(v)}")
+        if len(v) != 15:
+            raise ValueError(f"TurboQuantKVCache: {FORMAT} meta state has 15 fields, got {len(v)}")
         quantizer = v[10]
         if quantizer not in QUANTIZERS:
             raise ValueError(
@@ -620,6 +680,7 @@ class TurboQuantKVCache(_BaseCache):
             self._setup(k_dim, v_dim)
         self._rotary_meta = (int(v[11]), bool(int(v[12])))
         self.mean_blocks = bool(int(v[13]))
+        self.query_rows = int(v[14])
 
     @classmethod
     def from_state(cls, state, meta_state=None) -> "TurboQuantKVCache":

@@ -130,12 +130,12 @@ def _turboquant_packed_partial(q: mx.array, doc) -> tuple[mx.array, mx.array]:
     16-row-tile tc kernel beyond, SIMT for a few rows on other GPUs), else
     the blockwise reference path."""
     from .attention import launchers
-    from .attention.compose import block_mean, value_rotation
+    from .attention.compose import block_mean, key_scale, value_rotation
     from .attention.pair_tables import centroids
     from .attention.reference import _packed_part
     from .attention.route import Route
 
-    q_rot = doc.rotation.forward(q)
+    q_rot = doc.rotation.forward(q * key_scale(doc))
     vrot = value_rotation(doc)
     route = _document_route(q, doc)
     if route in (Route.TC8, Route.TC, Route.SIMT):

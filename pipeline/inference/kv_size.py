@@ -58,7 +58,8 @@ def cache_nbytes_formula(geom: KVGeometry, spec: Any, tokens: int, *, exact_byte
 
     TurboQuant: the first ``SINK_TOKENS`` (attention sinks) and the last
     ``window`` tokens exact at ``exact_bytes`` per element, the others packed
-    (indices + one fp16 norm per vector), plus the float32 centring means.  Affine: ``kv_bits`` per element plus a
+    (indices + one fp16 norm per vector), plus the float32 centring means
+    and key scale.  Affine: ``kv_bits`` per element plus a
     scale and bias per group.  fp16: the model's dtype (``exact_bytes``:
     float32 on the CPU path, where even the "fp16" scheme holds 4 bytes).
     """
@@ -70,7 +71,7 @@ def cache_nbytes_formula(geom: KVGeometry, spec: Any, tokens: int, *, exact_byte
         packed = tokens - exact
         packed_tok = 4 * (packed_words(geom.k_dim, kb) + packed_words(geom.v_dim, vb)) + 2 * FP16_BYTES
         exact_tok = (geom.k_dim + geom.v_dim) * exact_bytes
-        means = 4 * (geom.k_dim + geom.v_dim) if packed else 0  # set by the first packing
+        means = 4 * (2 * geom.k_dim + geom.v_dim) if packed else 0  # means, key scale: set by the first packing
         return per_head * (packed * packed_tok + exact * exact_tok + means)
     if scheme == "affine":
         bits = int(spec.kv_bits)

@@ -138,3 +138,32 @@ def test_a_cache_turning_more_pairs_than_the_compact_table_takes_tc8(monkeypatch
     assert step_plan.fused_step(q, wk, wv, cache, d**-0.5) is None
     ref = reference_attention(q, wk, wv, cache, d**-0.5, None)
     assert rel(turboquant_attention(q, wk, wv, cache, d**-0.5, None), ref) < 6e-3
+
+
+@pytest.mark.parametrize("route", ["fused", Route.TC8, Route.TC, "dequant"])
+def test_key_scaled_cache_on_every_route(monkeypatch, route):
+    """A cache whose packed keys hold keys / key_scale (fixed at the first
+    flush from the queries seen): each kernel route multiplies the queries
+    by the scale against the codes, and equals the reference path."""
+    if not CUDA:
+        pytest.skip("tensor-core kernels and the fused step are CUDA only")
+    d, h_kv, g = 128, 2, 4
+    L = {"fused": 1, Route.TC8: 2, Route.TC: 40, "dequant": 48}[route]
+    cache = filled_cache(3.5, d, h_kv, 3000, block_mean=True)
+    cache.observe_queries(mx.random.normal((1, h_kv * g, 16, d)) * mx.linspace(0.2, 3.0, d))
+    k = mx.random.normal((1, h_kv, L, d)) + 0.5
+    wk, wv = cache.update_and_fetch(k.astype(mx.bfloat16), (k * 0.5).astype(mx.bfloat16))
+    assert cache.key_scale is not None
+    q = (mx.random.normal((1, h_kv * g, L, d)) * 2.0).astype(mx.bfloat16)
+    mask = "causal" if L > 1 else None
+    monkeypatch.setenv("TQ_KERNELS", "gpu")
+    ref = reference_attention(q, wk, wv, cache, d**-0.5, mask)
+    if route == "fused":
+        got = step_plan.decode_step(q, wk, wv, cache, d**-0.5)
+    elif route == "dequant":
+        got = dequant_sdpa_attention(q, wk, wv, cache, d**-0.5, mask)
+    else:
+        _, wmask = split_mask(mask, L, cache.packed_len, wk.shape[2], cache.sink_len)
+        wmask = None if wmask is None else as_5d(wmask, 1, h_kv, g)
+        got = split_k_attention(q, wk, wv, cache, d**-0.5, wmask, route)
+    assert rel(got, ref) < 1.2e-2

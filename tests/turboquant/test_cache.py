@@ -204,14 +204,15 @@ def test_saved_caches_of_another_format_are_refused(tmp_path):
     c = TurboQuantKVCache(3, window=4)
     c.update_and_fetch(*kv(L=10))
     c.update_and_fetch(*kv(L=1, seed=1))
-    arrays, meta = c.state[:10], c.meta_state
-    assert meta[0] == FORMAT == "tqcache-4"
+    arrays, meta = c.state[:len(TurboQuantKVCache._ARRAYS)], c.meta_state
+    assert meta[0] == FORMAT == "tqcache-5"
     old = ("3", "4", "4", "0", "11", "2", "64", "64", "scalar")  # format 1: 9 fields
     two = ("tqcache-2",) + meta[1:11]
     three = ("tqcache-3",) + meta[1:13]  # no block-mean field
-    for saved, found in ((old, "tqcache-1"), (old[:8], "tqcache-1"), (two, "tqcache-2"),
-                         (three, "tqcache-3"), (("tqcache-5",) + meta[1:], "tqcache-5")):
-        with pytest.raises(ValueError, match=f"format {found}.*reads tqcache-4.*prefill the document again"):
+    four = ("tqcache-4",) + meta[1:14]  # no key scale
+    for saved, found in ((old, "tqcache-1"), (old[:8], "tqcache-1"), (two, "tqcache-2"), (three, "tqcache-3"),
+                         (four, "tqcache-4"), (("tqcache-6",) + meta[1:], "tqcache-6")):
+        with pytest.raises(ValueError, match=f"format {found}.*reads tqcache-5.*prefill the document again"):
             TurboQuantKVCache.from_state(arrays, saved)
         with pytest.raises(ValueError, match=f"format {found}"):
             TurboQuantKVCache.from_state(arrays + saved)  # as mlx-lm's load_prompt_cache passes it

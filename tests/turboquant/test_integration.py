@@ -144,6 +144,8 @@ def test_saved_cache_continues_with_identical_logits(llama, tmp_path):
     b = llama(nxt, cache=loaded)
     assert mx.array_equal(a, b)
     assert loaded[0].packed_len == cache[0].packed_len > 0
+    # every layer calibrated its key scale on the prompt's queries (the hook saw them)
+    assert all(c.key_scale is not None and mx.array_equal(c.key_scale, d.key_scale) for c, d in zip(cache, loaded))
 
 
 # ---------------------------------------------------------------- mlx-vlm

@@ -210,13 +210,13 @@ def test_a_block_mean_cache_saves_and_loads_as_one():
     c = filled_cache(3.5, 64, 2, 300, block_mean=True)
     k = mx.random.normal((1, 2, 1, 64))
     c.update_and_fetch(k, k)
-    back = TurboQuantKVCache.from_state(c.state[:10], c.meta_state)
+    back = TurboQuantKVCache.from_state(c.state[:len(TurboQuantKVCache._ARRAYS)], c.meta_state)
     assert back.mean_blocks and back.rotary is c.rotary and back.mean_origin == c.sink_len
     q = mx.random.normal((1, 8, 1, 64))
     assert mx.array_equal(reference_attention(q, back.window_keys, back.window_values, back, 0.125),
                           reference_attention(q, c.window_keys, c.window_values, c, 0.125))
     c.mean_blocks = False
-    assert not TurboQuantKVCache.from_state(c.state[:10], c.meta_state).mean_blocks
+    assert not TurboQuantKVCache.from_state(c.state[:len(TurboQuantKVCache._ARRAYS)], c.meta_state).mean_blocks
 
 
 def test_make_prompt_cache_turns_the_mean_exactly_on_the_cpu_per_block_on_gpus(monkeypatch):

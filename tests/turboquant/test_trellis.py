@@ -162,7 +162,7 @@ def test_tcq_cache_save_load_round_trip(tmp_path):
     save_prompt_cache(path, [c])
     (d,) = load_prompt_cache(path)
     assert d.quantizer == "tcq" and isinstance(d.value_codec, TrellisCodec)
-    for a, b in zip(c.state[:10], d.state[:10]):
+    for a, b in zip(c.state[:len(TurboQuantKVCache._ARRAYS)], d.state[:len(TurboQuantKVCache._ARRAYS)]):
         assert (a is None and b is None) or mx.array_equal(a, b)
     q = mx.random.normal((1, 4, 1, 64))
     nk, nv = mx.random.normal((1, 2, 1, 64)), mx.random.normal((1, 2, 1, 64))
@@ -173,10 +173,10 @@ def test_tcq_cache_save_load_round_trip(tmp_path):
 def test_saved_quantizer_round_trips_and_bad_quantizer_is_rejected():
     c = TurboQuantKVCache(3, window=4, quantizer="tcq")
     c.update_and_fetch(mx.random.normal((1, 1, 10, 64)), mx.random.normal((1, 1, 10, 64)))
-    again = TurboQuantKVCache.from_state(c.state[:10], c.meta_state)
+    again = TurboQuantKVCache.from_state(c.state[:len(TurboQuantKVCache._ARRAYS)], c.meta_state)
     assert again.quantizer == "tcq" and isinstance(again.key_codec, TrellisCodec)
     with pytest.raises(ValueError, match="saved quantizer 'vq'"):
-        TurboQuantKVCache.from_state(c.state[:10], c.meta_state[:10] + ("vq",) + c.meta_state[11:])
+        TurboQuantKVCache.from_state(c.state[:len(TurboQuantKVCache._ARRAYS)], c.meta_state[:10] + ("vq",) + c.meta_state[11:])
     with pytest.raises(ValueError, match="scalar.*tcq"):
         TurboQuantKVCache(3, quantizer="vq")
     with pytest.raises(ValueError, match="scalar, tcq"):

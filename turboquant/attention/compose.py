@@ -30,6 +30,16 @@ def block_mean(cache) -> bool:
     return getattr(cache, "mean_blocks", False) and getattr(cache, "key_mean_pre", None) is not None
 
 
+_ONE = mx.array(1.0, mx.float32)
+
+
+def key_scale(cache) -> mx.array:
+    """What the queries are multiplied by against packed keys (the cache's
+    per-channel key scale [B, H, 1, D], or 1)."""
+    ks = getattr(cache, "key_scale", None)
+    return _ONE if ks is None else ks
+
+
 def value_rotation(cache):
     return getattr(cache, "value_rotation", None) or cache.rotation
 
@@ -46,10 +56,10 @@ def _glue(rotation, vrot, scale: float, G: int, L: int):
     if key in per_rot:
         return per_rot[key]
 
-    def pre(queries):
+    def pre(queries, key_scale):
         B, H_q, _, D = queries.shape
         q = (queries.astype(mx.float32) * scale).reshape(B, H_q // G, G * L, D)
-        return q, rotation.forward(q)
+        return q, rotation.forward(q * key_scale)  # packed keys hold (key - means) / key_scale
 
     def post(q, out_p, lse_p, window_keys, window_values, key_mean, value_mean):
         B, H_kv, R, _ = q.shape
@@ -108,7 +118,7 @@ def split_k_attention(queries, window_keys, window_values, cache, scale, window_
     G = H_q // H_kv
     vrot = value_rotation(cache)
     pre, post = _glue(cache.rotation, vrot, scale, G, L)
-    q, q_rot = pre(queries)
+    q, q_rot = pre(queries, key_scale(cache))
     out_p, lse_p = launchers.decode(
         q_rot, cache.keys_packed, cache.keys_norms, cache.values_packed, cache.values_norms,
         centroids(cache.key_codec), centroids(cache.value_codec),
@@ -169,6 +179,9 @@ def dequant_sdpa_attention(queries, window_keys, window_values, cache, scale, ma
     if block_mean(cache):  # one mean per block of packed tokens, added by the kernel
         km = cache.block_key_means(P)
     Dv = window_values.shape[-1]
+    ks = getattr(cache, "key_scale", None)  # then every key term below is in the scaled domain
+    if ks is not None and km is not None:
+        km = km / (ks if km.ndim == 4 else ks[:, :, 0])
     k_hist = launchers.dequantize(
         cache.keys_packed, cache.keys_norms, centroids(cache.key_codec), P,
         cache.key_codec.bits, D, dtype, None if km is None else cache.rotation.forward(km),
@@ -181,10 +194,16 @@ def dequant_sdpa_attention(queries, window_keys, window_values, cache, scale, ma
         # keys centred on R(p) mean_pre (exactly, per token): add it back
         s0 = cache.sink_len
         turned = cache.rotary.turned(cache.key_mean_pre, s0, s0 + P)
+        if ks is not None:
+            turned = turned / ks
         k_hist = k_hist + cache.rotation.forward(turned).astype(dtype)
-    keys = mx.concatenate([k_hist, cache.rotation.forward(window_keys).astype(dtype)], axis=2)
+    wk, q = window_keys, queries
+    if ks is not None:
+        wk = window_keys.astype(mx.float32) / ks
+        q = queries.astype(mx.float32) * mx.repeat(ks, H_q // H_kv, axis=1)
+    keys = mx.concatenate([k_hist, cache.rotation.forward(wk).astype(dtype)], axis=2)
     values = mx.concatenate([v_hist, vrot.forward(window_values).astype(dtype)], axis=2)
-    q_rot = cache.rotation.forward(queries).astype(dtype)
+    q_rot = cache.rotation.forward(q).astype(dtype)
     out = mx.fast.scaled_dot_product_attention(
         q_rot, keys, values, scale=scale, mask=full_mask(mask, P, W, L, cache.sink_len)
     )

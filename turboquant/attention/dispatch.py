@@ -23,6 +23,7 @@ def turboquant_attention(
     in the queries' dtype.  ``route.choose`` picks the path; each route
     computes the same attention (the kernels within fp16-SDPA accuracy).
     """
+    cache.observe_queries(queries)
     # a cached FUSED_STEP (a cache centred on a mean turned per token never takes it)
     if mask is None and sinks is None and (getattr(cache, "key_mean_pre", None) is None or block_mean(cache)):
         out = fused_step(queries, window_keys, window_values, cache, scale)

@@ -136,7 +136,10 @@ def _packed_part(q_rot: mx.array, cache, packed_mask: Optional[mx.array], G: int
         blk_mask = None if packed_mask is None else packed_mask[..., a:e]
         kadd = None
         if added:
-            kadd = klay.to_slots(cache.rotation.forward(cache.turned_key_mean(s0 + a, s0 + e)))
+            turned = cache.turned_key_mean(s0 + a, s0 + e)
+            if cache.key_scale is not None:
+                turned = turned / cache.key_scale
+            kadd = klay.to_slots(cache.rotation.forward(turned))
         elif turned_mean:
             bias = cache.key_score_bias(q_plain, s0 + a, s0 + e)
             L_ = 1 if blk_mask is None else blk_mask.shape[-2]
@@ -197,7 +200,8 @@ def reference_attention(
     if P == 0:
         out = out_w / s_w
     else:
-        m_p, s_p, acc = _packed_part(cache.rotation.forward(q), cache, packed_mask, G, L, q)
+        q_codes = q if cache.key_scale is None else q * cache.key_scale
+        m_p, s_p, acc = _packed_part(cache.rotation.forward(q_codes), cache, packed_mask, G, L, q)
         # Centred keys lost q·mean_k, a per-row constant of the packed part
         # only; the window is uncentred, so put it back before merging.
         m_p = m_p + q @ cache.key_mean.swapaxes(-1, -2)

@@ -53,7 +53,7 @@ class StepPlan:
 
     __slots__ = ("kernel", "tables", "signs", "vsigns", "dims", "shape", "max_w", "bh", "grid_yz", "tg",
                  "out_shape", "out_dtype", "scale_bits", "means", "per_n", "keep", "counters", "slot",
-                 "last", "block_mean")
+                 "last", "block_mean", "key_scaled")
 
     def __init__(self, queries, window_keys, window_values, cache, scale,
                  blocks: int = table.TC8_BLOCKS, warps: Optional[int] = None):
@@ -74,6 +74,7 @@ class StepPlan:
         # a cache centred on a block mean (KB): the kernel computes the key
         # bias from the RoPE block table and the pre-RoPE key mean
         self.block_mean = block_mean(cache)
+        self.key_scaled = getattr(cache, "key_scale", None) is not None
         self.means = {}  # mean array (by identity) -> (array, float32 array, present)
         self.per_n = {}  # packed length -> (params head, (grid x, workspace words))
         self.keep = (kc, vc, vrot)  # their ids are part of the plan's key
@@ -93,7 +94,7 @@ class StepPlan:
                                  [mx.float32, queries.dtype],
                                  cfg["TEMPLATE"] + (("KB", int(self.block_mean)),
                                                     ("TRAD", int(self.block_mean and cache.rotary.traditional)),
-                                                    ("KP", MEAN_PAIRS)))
+                                                    ("KP", MEAN_PAIRS), ("QSC", int(self.key_scaled))))
 
     def _mean(self, m):
         hit = self.means.get(id(m))
@@ -102,6 +103,18 @@ class StepPlan:
                 self.means.clear()
             hit = self.means[id(m)] = (m, *_mean_or_zero(m))
         return hit[1], hit[2]
+
+    def _signs(self, cache) -> mx.array:
+        """The query's signs before the FWHT: the rotation's, or per kv head
+        times the cache's key scale (fixed once the cache has packed a token,
+        so computed once per cache)."""
+        if not self.key_scaled:
+            return self.signs
+        ks = cache.key_scale
+        held = getattr(cache, "_scaled_signs", None)
+        if held is None or held[0] is not ks:
+            held = cache._scaled_signs = (ks, (f32(self.signs) * ks.astype(mx.float32)).reshape(-1))
+        return held[1]
 
     def covers(self, n: int, w: int, cache=None) -> bool:
         """This step's packed and window lengths fit; a block-mean cache also
@@ -134,7 +147,7 @@ class StepPlan:
         ktab, vtab = self.tables
         out = self.kernel(
             inputs=[queries, cache.keys_packed, cache.keys_norms, cache.values_packed, cache.values_norms,
-                    ktab, vtab, params, kb, window_keys, window_values, self.signs, self.vsigns, km, vm,
+                    ktab, vtab, params, kb, window_keys, window_values, self._signs(cache), self.vsigns, km, vm,
                     self.counters, self.last[slot], kpairs, kmpre],
             grid=(grid_x, *self.grid_yz), threadgroup=self.tg, output_shapes=[(ws,), self.out_shape],
             output_dtypes=[mx.float32, self.out_dtype],
@@ -152,7 +165,8 @@ def _plan_key(queries, window_keys, window_values, cache, scale) -> tuple:
     return (queries.shape, queries.dtype, wk[0], wk[1], wk[3], window_keys.dtype, wv[3],
             window_values.dtype, cache.keys_packed.shape, cache.values_packed.shape,
             cache.keys_norms.dtype, cache.values_norms.dtype, id(cache.key_codec),
-            id(cache.value_codec), id(value_rotation(cache)), scale, block_mean(cache), device.on_gpu(),
+            id(cache.value_codec), id(value_rotation(cache)), scale, block_mean(cache),
+            getattr(cache, "key_scale", None) is not None, device.on_gpu(),
             os.environ.get("TQ_KERNELS"))
 
 

@@ -31,11 +31,12 @@ def cpu_kernels(monkeypatch):
     return use
 
 
+@pytest.mark.parametrize("key_scale", [False, True])
 @pytest.mark.parametrize("block_mean", [False, True])
 @pytest.mark.parametrize("backend,L,mask", [("metal", 1, None), ("metal", 2, "causal"), ("metal", 64, "causal"),
                                             ("metal", 3, "array"), ("cuda", 2, "causal"), ("cuda", 64, "causal"),
                                             ("cuda", 3, "array"), ("metal", 3, "full"), ("cuda", 5, "full")])
-def test_glue_matches_reference_on_cpu(cpu_kernels, backend, L, mask, block_mean):
+def test_glue_matches_reference_on_cpu(cpu_kernels, backend, L, mask, block_mean, key_scale):
     """The kernel routes' Python glue (rotation, centring, the block mean's
     key bias, window merge, masks, SDPA over [history; window]) with the
     kernels replaced by MLX ops must equal the reference path: this runs in
@@ -43,11 +44,14 @@ def test_glue_matches_reference_on_cpu(cpu_kernels, backend, L, mask, block_mean
     cpu_kernels(backend)
     d, h_kv, g = 64, 2, 4
     cache = filled_cache(3.5, d, h_kv, 300, block_mean=block_mean)
+    if key_scale:  # the prefill's queries, uneven over channels: the first flush scales keys from them
+        cache.observe_queries(mx.random.normal((1, h_kv * g, 16, d)) * mx.linspace(0.2, 3.0, d))
     k = mx.random.normal((1, h_kv, L, d))
     if mask == "array":  # built before the update, as models do
         mask = cache.make_mask(L, return_array=True)
     wk, wv = cache.update_and_fetch(k, k * 0.5 - 0.2)
     assert (cache.key_mean_pre is not None) == block_mean
+    assert (cache.key_scale is not None) == key_scale
     if mask == "full":  # position order (sinks, packed, recent), hiding some history and a sink
         n = cache.offset
         mask = (mx.arange(n - L, n)[:, None] >= mx.arange(n)[None]) & (mx.arange(n) % 3 != 1)

@@ -60,7 +60,7 @@ def test_decode_step_plan(fake_cuda, monkeypatch):
         assert meta[6] == meta[7] == 0 and list(meta[8:11]) == [cfg["OFF_PO"], cfg["OFF_PM"], cfg["OFF_PL"]]
         # the launch shape's constants are compiled into the body, not passed per call
         assert "template" not in call and call["grid"] == (cfg["GRID_X"], 2, 1)
-        assert fused.source.startswith("".join(f"constexpr int {k} = {v};\n" for k, v in cfg["TEMPLATE"] + (("KB", 0), ("TRAD", 0), ("KP", 16))))
+        assert fused.source.startswith("".join(f"constexpr int {k} = {v};\n" for k, v in cfg["TEMPLATE"] + (("KB", 0), ("TRAD", 0), ("KP", 16), ("QSC", 0))))
         assert call["output_shapes"] == [(cfg["WS"],), (1, 8, 1, 128)]
         assert call["inputs"][8].shape == (1,)  # no key bias: a constant key mean (KB = 0)
         assert call["inputs"][9] is not None and call["inputs"][13].dtype == mx.float32
