@@ -139,7 +139,7 @@ def default_configs(window: int, bits: Sequence[float] = (2.5, 3, 3.5, 4),
             configs.append(CacheConfig(f"mlx-vlm TurboQuant {b:g}", "mlx-vlm", b))
         if "turboquant" in schemes:
             for q in quantizers:
-                for w in (0, window):
+                for w in dict.fromkeys((0, window)):  # --window 0: once
                     for km in key_means:
                         label = f"tqpipe {b:g} {q}, window {w}" + KEY_MEAN_LABELS[km]
                         configs.append(CacheConfig(label, "turboquant", b, w, q, km))
@@ -169,6 +169,8 @@ def route_benchmark_attention() -> None:
         return
 
     def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=None):
+        if isinstance(cache, QueryRecorder):
+            cache.record(queries)
         if isinstance(cache, DecodeReplay):
             return turboquant_attention(queries, keys, values, cache.cache, scale, cache.mask, sinks)
         if type(cache).__module__.startswith("mlx_vlm."):
@@ -258,6 +260,23 @@ def _logprobs(logits: mx.array) -> mx.array:
     return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
 
 
+from mlx_lm.models.cache import KVCache
+
+
+class QueryRecorder(KVCache):
+    """mlx-lm's float cache that also keeps each chunk's per-channel query
+    energy per kv head (what our caches calibrate their key scale on)."""
+
+    def __init__(self):
+        super().__init__()
+        self.query_energy: list[tuple[mx.array, int]] = []
+
+    def record(self, queries: mx.array) -> None:
+        B, _, _, D = queries.shape
+        q = queries.astype(mx.float32).reshape(B, self.keys.shape[1], -1, D)
+        self.query_energy.append(((q * q).sum(axis=2), q.shape[2]))
+
+
 @dataclass
 class History:
     """The float32 prefill of a batch of passages: per-layer keys/values
@@ -268,10 +287,14 @@ class History:
     first: mx.array
     cache: list  # the float32 caches themselves (the reference run continues from them)
 
+    def query_energy(self, layer: int, chunk: int) -> tuple[mx.array, int]:
+        return self.cache[layer].query_energy[chunk]
+
 
 def float_prefill(model: Any, ids: mx.array, chunk: int) -> History:
     """Prefill ``ids`` [B, P] through the model's own (float32) cache in chunks."""
-    cache = CacheConfig("float32", "fp16").build(model)
+    route_benchmark_attention()
+    cache = [QueryRecorder() for _ in model.layers]
     n = ids.shape[1]
     for start in range(0, n, chunk):
         h = model.model(ids[:, start:start + chunk], cache=cache)
@@ -289,9 +312,11 @@ def fill(caches: list, history: History, chunk: int) -> None:
     for c in caches:
         if hasattr(c, "reserve"):
             c.reserve(n + 1024)
-    for start in range(0, n, chunk):
-        for c, k, v in zip(caches, history.keys, history.values):
+    for i, start in enumerate(range(0, n, chunk)):
+        for layer, (c, k, v) in enumerate(zip(caches, history.keys, history.values)):
             c.update_and_fetch(k[:, :, start:start + chunk], v[:, :, start:start + chunk])
+            if hasattr(c, "add_query_energy"):  # what the chunk's attention would have observed
+                c.add_query_energy(*history.query_energy(layer, i))
         mx.eval([[a for a in c.state if isinstance(a, mx.array)] for c in caches])
 
 
