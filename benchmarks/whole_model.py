@@ -141,12 +141,15 @@ class _NoTextTokenizer:
 
 
 def _fill(cache: list, cfg: dict, n: int, dtype: mx.Dtype) -> None:
-    """Append ``n`` random key/value tokens to every layer's cache."""
+    """Append ``n`` random key/value tokens to every layer's cache (as if
+    64 query rows per head had been seen before them)."""
     h_kv = cfg["num_key_value_heads"]
     d = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     for c in cache:
         if hasattr(c, "reserve"):
             c.reserve(n + 4096)
+        if hasattr(c, "add_query_energy"):  # unit-variance queries: the first flush scales the keys, as a prefill's would
+            c.add_query_energy(mx.full((1, h_kv, d), 64.0), 64)
     for a in range(0, n, FILL_CHUNK):
         m = min(FILL_CHUNK, n - a)
         for i, c in enumerate(cache):
