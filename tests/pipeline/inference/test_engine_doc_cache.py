@@ -97,6 +97,26 @@ def test_a_cache_of_other_layer_types_is_a_miss(tmp_path, caplog):
     assert again.cache_loads == 1 and again.prefill_count == 0
 
 
+def test_an_entry_saved_in_an_older_cache_format_is_a_miss_and_replaced(tmp_path, monkeypatch, caplog):
+    """A document cache written by a tqpipe whose TurboQuant layers meant
+    something else (turboquant.cache.FORMAT) is prefilled afresh, never misread."""
+    import turboquant.cache as tq_cache
+
+    prompt, spec = make_prompt(80), SPECS[0]
+    key = key_for(prompt, spec)
+    fresh = Engine(tiny_llama(), spec).process(prompt, TASKS[:1])
+    monkeypatch.setattr(tq_cache, "FORMAT", "tqcache-4")
+    Engine(tiny_llama(), spec, store=DocCacheStore(tmp_path)).process(prompt, TASKS[:1], key=key)
+    monkeypatch.undo()
+    engine = Engine(tiny_llama(), spec, store=DocCacheStore(tmp_path))
+    got = engine.process(prompt, TASKS[:1], key=key)
+    assert engine.cache_loads == 0 and engine.prefill_count == 1
+    assert "tqcache-4" in caplog.text and got[0].token_ids == fresh[0].token_ids
+    again = Engine(tiny_llama(), spec, store=DocCacheStore(tmp_path))  # the old entry was replaced
+    again.process(prompt, TASKS[:1], key=key)
+    assert again.cache_loads == 1 and again.prefill_count == 0
+
+
 def test_tasks_after_a_hit_extend_the_loaded_cache_without_touching_the_file(tmp_path):
     spec, prompt = SPECS[0], make_prompt(200)
     key = key_for(prompt, spec)
