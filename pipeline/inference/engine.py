@@ -61,6 +61,7 @@ from typing import Any, Callable, Iterator, Sequence
 import mlx.core as mx
 
 from pipeline.errors import TqpipeError
+from pipeline.inference import gpu_upload
 from pipeline.inference.constrained import json_processor
 from pipeline.inference.kv_size import KVGeometry, exact_tokens, figures
 from pipeline.inference.decode import Row
@@ -586,6 +587,8 @@ class Engine:
                                 included_pages=[1], skipped_pages=[])
         try:
             self.process(prompt, [task])
+            if self.store is not None:  # the staging buffers a document-cache load reads through
+                gpu_upload.prepare()
         except Exception as e:
             logger.warning("engine warm-up skipped (%s: %s); the first document pays the GPU's one-time setup",
                            type(e).__name__, e)

@@ -327,6 +327,20 @@ def test_warm_up_runs_the_kernel_routes_of_a_cached_document_and_leaves_no_trace
     assert engine.cache is None
 
 
+def test_a_warm_up_with_a_document_store_prepares_the_upload_slots(tmp_path, monkeypatch):
+    """A store's first load would otherwise pay the staging buffers' pinning
+    inside a document's time to first token."""
+    from pipeline.inference import gpu_upload
+    from pipeline.inference.doc_cache import DocCacheStore
+
+    calls = []
+    monkeypatch.setattr(gpu_upload, "prepare", lambda: calls.append(1) or True)
+    Engine(tiny_llama(), CacheSpec(kv_quant_scheme="turboquant")).warm_up()
+    assert calls == []  # no store: nothing to prepare
+    Engine(tiny_llama(), CacheSpec(kv_quant_scheme="turboquant"), store=DocCacheStore(tmp_path)).warm_up()
+    assert calls == [1]
+
+
 def test_a_warm_up_that_fails_is_a_warning(monkeypatch, caplog):
     engine = Engine(tiny_llama(), CacheSpec(kv_quant_scheme="turboquant"))
 

@@ -39,7 +39,7 @@ def test_nothing_moves_without_a_cuda_backend(monkeypatch):
     gpu_upload._driver.cache_clear()
     monkeypatch.setattr(device, "backend", lambda: None)
     try:
-        assert gpu_upload._driver() is None and not gpu_upload.available()
+        assert gpu_upload._driver() is None and not gpu_upload.available() and not gpu_upload.prepare()
         assert gpu_upload.to_gpu([mx.zeros((1 << 20,), dtype=mx.uint8)]) is False
         with pytest.raises(gpu_upload.Unavailable):
             gpu_upload.read_tensors(0, [])
@@ -108,6 +108,27 @@ class HostCopyDriver:
 
     def slots(self):
         return self.q
+
+
+def test_prepare_makes_the_reader_slots_before_the_first_read(monkeypatch):
+    """What an engine's warm-up calls: the slots exist afterwards (made once),
+    and a driver that refuses them is a False, not an error."""
+    made = []
+
+    class Drv:
+        def slots(self):
+            made.append(1)
+            return queue.Queue()
+
+    monkeypatch.setattr(gpu_upload, "_driver", lambda: Drv())
+    assert gpu_upload.prepare() is True and made == [1]
+
+    class Refusing:
+        def slots(self):
+            raise gpu_upload.Unavailable("cuMemHostAlloc returned CUresult 2")
+
+    monkeypatch.setattr(gpu_upload, "_driver", lambda: Refusing())
+    assert gpu_upload.prepare() is False
 
 
 def _file_of(tmp_path, tensors: dict[str, bytes]):
