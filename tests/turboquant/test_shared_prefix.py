@@ -19,12 +19,16 @@ def _doc(kind: str, n: int, seed: int = 0):
     k = 2.0 * mx.random.normal((1, H_KV, n, D)) + 1.0
     v = mx.random.normal((1, H_KV, n, D))
     cache = {"turboquant": lambda: TurboQuantKVCache(3.5, window=16, seed=seed),
+             "turboquant-scaled": lambda: TurboQuantKVCache(3.5, window=16, seed=seed),
              "fp16": KVCache, "affine": lambda: QuantizedKVCache(group_size=32, bits=4),
              # as made for CUDA: read dequantized (affine.dequantizes)
              "affine-padded": lambda: PaddedQuantizedKVCache(group_size=32, bits=4, pad_multiple=64)}[kind]()
     for a in range(0, n, 40):  # chunked prefill
         cache.update_and_fetch(k[:, :, a:a + 40], v[:, :, a:a + 40])
-    if kind == "turboquant":
+        if kind == "turboquant-scaled" and a == 0:  # the first chunk's queries, uneven: keys get a scale
+            cache.observe_queries(mx.random.normal((1, H_KV * G, 40, D)) * mx.linspace(0.2, 3.0, D))
+    if kind.startswith("turboquant"):
+        assert (cache.key_scale is not None) == (kind == "turboquant-scaled")
         cache.hold = True
     return cache
 
@@ -35,16 +39,16 @@ def _alone(kind, n_doc, q, k, v):
     c = _doc("affine" if kind == "affine-padded" else kind, n_doc)
     wk, wv = c.update_and_fetch(k, v)
     L = q.shape[2]
-    if kind == "turboquant":
+    if kind.startswith("turboquant"):
         return turboquant_attention(q, wk, wv, c, SCALE, "causal" if L > 1 else None)
     return sdpa(q, wk, wv, c, SCALE, "causal" if L > 1 else None)
 
 
-@pytest.mark.parametrize("kind", ["turboquant", "fp16", "affine", "affine-padded"])
+@pytest.mark.parametrize("kind", ["turboquant", "turboquant-scaled", "fp16", "affine", "affine-padded"])
 def test_rows_sharing_a_document_match_each_row_alone(kind):
     n_doc = 150
     doc = _doc(kind, n_doc)
-    if kind == "turboquant":
+    if kind.startswith("turboquant"):
         assert doc.packed_len > 0 and doc.window_len > 0  # both document parts in play
     lengths = [5, 2, 4]  # suffixes of different lengths: left-padded to 5
     S = max(lengths)
