@@ -63,6 +63,7 @@ from typing import Any, Sequence
 
 import turboquant  # noqa: F401  (fast CPU BLAS before mlx.core)
 import mlx.core as mx
+from mlx_lm.models.cache import KVCache
 
 from turboquant.rotary import MEAN_PAIRS
 
@@ -258,9 +259,6 @@ def _logits(model: Any, h: mx.array) -> mx.array:
 def _logprobs(logits: mx.array) -> mx.array:
     logits = logits.astype(mx.float32)
     return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-
-
-from mlx_lm.models.cache import KVCache
 
 
 class QueryRecorder(KVCache):
