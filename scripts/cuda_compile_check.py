@@ -133,9 +133,9 @@ CASES = [
     ("tq_key_bias", ["float32", "float32", "float32", "float32", "int32"], ["float32"],
      [("D", 64), ("DIMS", 32), ("TRAD", 1)]),
     ("tq_quantize", ["float16", "float32", "float32", "float32", "float32"], ["uint32", "float16"],
-     [("D", 128), ("BITS", 3), ("NA", 9), ("T", "float16")]),
+     [("D", 128), ("BITS", 3), ("NA", 9), ("UNBIASED", 1), ("T", "float16")]),
     ("tq_quantize", ["float32", "float32", "float32", "float32", "float32"], ["uint32", "float16"],
-     [("D", 64), ("BITS", 2), ("NA", 9), ("T", "float32")]),
+     [("D", 64), ("BITS", 2), ("NA", 9), ("UNBIASED", 0), ("T", "float32")]),
     # caches centred on a block mean (the key bias, KB = 1): what GPU caches
     # of a model with a known RoPE launch, at the shapes above
     ("tq_decode", _SIMT_INS, ["float32"] * 3,

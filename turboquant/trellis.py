@@ -296,11 +296,11 @@ class TrellisCodec(PackedCodec):
 
     def __init__(
         self, dim: int, bits: int, rotation: HadamardRotation | None = None,
-        states_log2: int | None = None,
+        states_log2: int | None = None, unbiased: bool = False,
     ):
         from .trellis_tables import STATES_LOG2, TAPS
 
-        self._init_layout(dim, bits, rotation)
+        self._init_layout(dim, bits, rotation, unbiased)
         if states_log2 is None:
             states_log2 = STATES_LOG2
         if states_log2 != STATES_LOG2:
@@ -315,7 +315,7 @@ class TrellisCodec(PackedCodec):
 
     def __repr__(self) -> str:
         return (f"TrellisCodec(dim={self.dim}, bits={self.bits}, "
-                f"states_log2={self.states_log2}, taps={self.taps:#x})")
+                f"states_log2={self.states_log2}, taps={self.taps:#x}, unbiased={self.unbiased})")
 
     def quantize_rotated(self, y: mx.array) -> QuantizedVectors:
         """Quantize already-rotated vectors ``y`` [..., dim] (Viterbi search)."""
@@ -328,6 +328,6 @@ class TrellisCodec(PackedCodec):
             idx = viterbi(u, self.levels, self.taps, self.states_log2, self.offsets)
         c = reconstruct(idx, self.levels, self.taps, self.offsets)
         dot, c_sq = (u * c).sum(axis=-1), mx.maximum((c * c).sum(axis=-1), 1e-30)
-        scale = stored_scale(norm, dot, c_sq)
+        scale = stored_scale(norm, dot, c_sq, self.unbiased)
         return QuantizedVectors(pack(idx, self.bits).reshape(*lead, self.words), scale.reshape(lead))
 

@@ -207,7 +207,8 @@ def test_dequant_matches_codec(bits, d):
 @pytest.mark.parametrize("bits", [2, 3, 4])
 @pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("dtype", [mx.float32, mx.float16])
-def test_quantize_matches_codec(bits, d, dtype):
+@pytest.mark.parametrize("unbiased", [False, True])
+def test_quantize_matches_codec(bits, d, dtype, unbiased):
     """Bit-identical except where float rounding decides: a coordinate at a
     cell boundary, or two scales of the search that fit a vector equally
     well.  So rows may differ only rarely, and a row that differs must fit
@@ -216,7 +217,7 @@ def test_quantize_matches_codec(bits, d, dtype):
     fit by ~2tΔ/‖ĉ‖² · |‖ĉ‖²/(α⟨u, ĉ⟩) - 1| (t the boundary, Δ the cell
     width), up to ~1e-3 at these widths (float16 inputs round the rotated
     coordinates differently on the two sides)."""
-    codec = TurboQuantCodec(d, bits, HadamardRotation(d, seed=7))
+    codec = TurboQuantCodec(d, bits, HadamardRotation(d, seed=7), unbiased=unbiased)
     mx.random.seed(bits * d)
     x = (mx.random.normal((3, 5, 64, d)) * 2.0).astype(dtype)
     x[0, 0, 0] = 0.0  # zero vector: index of 0, norm 0

@@ -59,6 +59,20 @@ def test_packed_history_decodes_to_the_original_tokens():
     assert cos.min().item() > 0.97  # 4-bit: cosine ~0.995 per vector
 
 
+def test_values_keep_their_own_component_keys_least_squares():
+    """Packed values carry the unbiased scale (codec docstring: attention
+    averages them), keys the least-squares one."""
+    c = TurboQuantKVCache(3, window=0, sinks=0)
+    k, v = kv(L=64, H=2, D=128, seed=5)
+    c.update_and_fetch(k, v)
+    c.update_and_fetch(*kv(L=1, H=2, D=128, seed=6))
+    assert c.value_codec.unbiased and not c.key_codec.unbiased
+    vc = v.astype(mx.float32) - c.value_mean
+    vh = c.value_codec.dequantize(c.values_packed[:, :, :64], c.values_norms[:, :, :64])
+    along = (vh * vc).sum(-1) / (vc * vc).sum(-1)
+    assert mx.allclose(along, mx.ones_like(along), atol=3e-3)
+
+
 def test_growth_is_geometric_not_per_token():
     c = TurboQuantKVCache(2, window=0, sinks=0)
     for i in range(3000):
@@ -205,14 +219,15 @@ def test_saved_caches_of_another_format_are_refused(tmp_path):
     c.update_and_fetch(*kv(L=10))
     c.update_and_fetch(*kv(L=1, seed=1))
     arrays, meta = c.state[:len(TurboQuantKVCache._ARRAYS)], c.meta_state
-    assert meta[0] == FORMAT == "tqcache-5"
+    assert meta[0] == FORMAT == "tqcache-6"
     old = ("3", "4", "4", "0", "11", "2", "64", "64", "scalar")  # format 1: 9 fields
     two = ("tqcache-2",) + meta[1:11]
     three = ("tqcache-3",) + meta[1:13]  # no block-mean field
     four = ("tqcache-4",) + meta[1:14]  # no key scale
+    five = ("tqcache-5",) + meta[1:]  # least-squares value scales: same fields
     for saved, found in ((old, "tqcache-1"), (old[:8], "tqcache-1"), (two, "tqcache-2"), (three, "tqcache-3"),
-                         (four, "tqcache-4"), (("tqcache-6",) + meta[1:], "tqcache-6")):
-        with pytest.raises(ValueError, match=f"format {found}.*reads tqcache-5.*prefill the document again"):
+                         (four, "tqcache-4"), (five, "tqcache-5"), (("tqcache-7",) + meta[1:], "tqcache-7")):
+        with pytest.raises(ValueError, match=f"format {found}.*reads tqcache-6.*prefill the document again"):
             TurboQuantKVCache.from_state(arrays, saved)
         with pytest.raises(ValueError, match=f"format {found}"):
             TurboQuantKVCache.from_state(arrays + saved)  # as mlx-lm's load_prompt_cache passes it

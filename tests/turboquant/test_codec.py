@@ -3,6 +3,7 @@ import numpy as np
 import pytest
 
 from turboquant.codec import QuantizedVectors, TurboQuantCodec
+from turboquant.trellis import TrellisCodec
 from turboquant.packing import packed_words
 from turboquant.rotation import HadamardRotation
 
@@ -59,6 +60,39 @@ def test_scale_is_least_squares():
 
     e0 = err(1.0)
     assert e0 < err(1.03) and e0 < err(0.97)
+
+
+@pytest.mark.parametrize("codec_cls", [TurboQuantCodec, TrellisCodec])
+def test_unbiased_scale_keeps_each_vectors_own_component(codec_cls):
+    """Values: ⟨x̂, x⟩ = ‖x‖² per vector (float16 scale rounding aside), where
+    the least-squares reconstruction falls short by the relative error; the
+    average of many reconstructions then has no common shrinkage."""
+    x = mx.random.normal((1000, 128), key=mx.random.key(11))
+    rot = HadamardRotation(128, 2)
+    lsq, unb = codec_cls(128, 2, rot), codec_cls(128, 2, rot, unbiased=True)
+    pl, nl = lsq.quantize(x)
+    pu, nu = unb.quantize(x)
+    assert mx.array_equal(pl, pu)  # same codes, only the scale differs
+    xx = np.array((x * x).sum(-1))
+    along = np.array((unb.dequantize(pu, nu) * x).sum(-1)) / xx
+    np.testing.assert_allclose(along, 1.0, atol=2e-3)
+    shrink = np.array((lsq.dequantize(pl, nl) * x).sum(-1)) / xx
+    assert 0.85 < shrink.mean() < 0.95  # 1 - δ, δ ≈ 0.08-0.12 at 2 bits
+    # an attention-like sum Σ w_i x̂_i, weights correlated with the vectors:
+    # least squares comes out ~(1 - δ) short along the true sum, unbiased not
+    a = np.array(mx.random.normal((128,), key=mx.random.key(3)))
+    X = np.array(x)
+    w = np.maximum(X @ a, 0.0)
+    t = (w[:, None] * X).sum(0)
+    along_u = (w[:, None] * np.array(unb.dequantize(pu, nu))).sum(0) @ t / (t @ t)
+    along_l = (w[:, None] * np.array(lsq.dequantize(pl, nl))).sum(0) @ t / (t @ t)
+    assert abs(along_u - 1) < 0.03 and along_l < 0.94
+
+
+def test_unbiased_scale_of_a_zero_vector_is_zero():
+    codec = TurboQuantCodec(64, 3, unbiased=True)
+    packed, norms = codec.quantize(mx.zeros((2, 64)))
+    assert float(mx.abs(norms.astype(mx.float32)).max()) == 0.0
 
 
 def test_rotated_paths_agree_and_leading_shapes():

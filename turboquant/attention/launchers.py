@@ -201,7 +201,8 @@ def quantize(x: mx.array, codec) -> tuple[mx.array, mx.array]:
     packed, norms = launch(
         "tq_quantize",
         inputs=[x.reshape(m, d), f32(codec.rotation.signs), bounds, cents, _scale_search()],
-        template=[("D", d), ("BITS", codec.bits), ("NA", len(SCALE_SEARCH)), ("T", x.dtype)],
+        template=[("D", d), ("BITS", codec.bits), ("NA", len(SCALE_SEARCH)),
+                  ("UNBIASED", int(codec.unbiased)), ("T", x.dtype)],
         grid=(m * d, 1, 1), threadgroup=(d, 1, 1),
         output_shapes=[(m, codec.words), (m,)], output_dtypes=[mx.uint32, mx.float16],
     )

@@ -62,7 +62,7 @@ def quantize_kernel(nvrtc, fallback=None):
 
 def launch_quantize(kernel, d=128, dtype=mx.float16):
     x = mx.zeros((4, d), dtype)
-    return kernel(inputs=[x, x, x, x, x], template=[("D", d), ("BITS", 3), ("NA", 9), ("T", dtype)],
+    return kernel(inputs=[x, x, x, x, x], template=[("D", d), ("BITS", 3), ("NA", 9), ("UNBIASED", 0), ("T", dtype)],
                   grid=(4 * d, 1, 1), threadgroup=(d, 1, 1), output_shapes=[(4, 12), (4,)],
                   output_dtypes=[mx.uint32, mx.float16])
 
@@ -153,7 +153,7 @@ def test_a_unit_that_does_not_compile_runs_on_mlx_jit(store, launches, caplog):
     launch_quantize(kernel)
     launch_quantize(kernel)
     assert launches == [] and len(jit_calls) == 2
-    assert jit_calls[0]["template"] == [("D", 128), ("BITS", 3), ("NA", 9), ("T", mx.float16)]
+    assert jit_calls[0]["template"] == [("D", 128), ("BITS", 3), ("NA", 9), ("UNBIASED", 0), ("T", mx.float16)]
     assert "did not compile" in caplog.text and "boom" in caplog.text
     assert not (store / "sm_90-nvrtc13.0").exists()
 

@@ -191,3 +191,8 @@ def test_the_quantize_kernel_gets_the_codecs_scale_search(monkeypatch):
     assert name.startswith("tq_quantize")
     assert ("NA", len(SCALE_SEARCH)) in kw["template"] and len(SCALE_SEARCH) > 1
     assert kw["inputs"][-1].tolist() == pytest.approx(list(SCALE_SEARCH))
+    assert ("UNBIASED", 0) in kw["template"]
+    log.clear()
+    with cuda_stand_in(monkeypatch, lambda name, **kw: RecordingKernel(name, log)):
+        launchers.quantize(mx.zeros((3, 64), mx.float16), TurboQuantCodec(64, 3, unbiased=True))
+    assert ("UNBIASED", 1) in log[0][1]["template"]
