@@ -55,7 +55,7 @@ Encoder: Viterbi over the 2^nu states.  Per coordinate the best level and
 its distortion in each of the four subsets are found once (they do not
 depend on the state); each trellis step is then adds/mins over [N, 2^nu].
 The backpointers ([d, N, 2^nu] bools) bound the batch size.  The scale is
-then computed exactly as the scalar codec does (least squares).
+then computed exactly as the scalar codec does (``codec.stored_scale``).
 
 The union codebooks are trained by generalized Lloyd (Viterbi-encode, move
 each level to the mean of its samples) on unit-variance Gaussian sequences of
