@@ -225,8 +225,8 @@ class TurboQuantKVCache(_BaseCache):
         least-squares scale (a logit's best estimate), values the unbiased
         one (attention averages them over many tokens: ``codec``'s
         docstring).  SmolLM2, window 0, 4,096 scored positions: 2.5 bits
-        +24.2% -> +15.8% perplexity, 3.5 bits +3.65% -> +2.72%, 4 bits
-        +1.35% -> +0.93% (docs/benchmarks.md).
+        +24.2% -> +15.8% perplexity, 3.5 bits +3.65% -> +2.45%, 4 bits
+        +1.35% -> +1.28% (docs/benchmarks.md).
         """
         self._dims = (k_dim, v_dim)
         self.rotation = HadamardRotation(k_dim, self.seed)
