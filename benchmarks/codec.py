@@ -43,7 +43,7 @@ import numpy as np
 
 import turboquant  # noqa: F401  (fast CPU BLAS before mlx.core is used)
 from turboquant.attention import turboquant_attention
-from turboquant.cache import shrunk_mean
+from turboquant.cache import make_codecs, shrunk_mean
 from turboquant.codebooks import codebook
 from turboquant.codec import TurboQuantCodec
 from turboquant.policy import ALLOWED_KV_BITS, resolve_bits
@@ -131,10 +131,7 @@ def ours_reconstruct(k, v, kb: int, vb: int, centre: bool = True, quantizer: str
     first CENTRE_CHUNK tokens; False = no centring.  ``quantizer``: "scalar" or "tcq" (trellis).
     """
     rot = HadamardRotation(D, 1234)
-    if quantizer == "tcq":
-        kc, vc = TrellisCodec(D, kb, rot), TrellisCodec(D, vb, rot)
-    else:
-        kc, vc = TurboQuantCodec(D, kb, rot), TurboQuantCodec(D, vb, rot)
+    kc, vc = make_codecs(quantizer, kb, vb, rot, rot)  # as the cache pairs them
     out = []
     for x, c in ((k, kc), (v, vc)):
         if centre:

@@ -59,7 +59,7 @@ from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import _BaseCache
 
 from .attention import launchers
-from .codec import TurboQuantCodec
+from .codec import PackedCodec, TurboQuantCodec
 from .packing import packed_words
 from .rotation import HadamardRotation
 from .trellis import TrellisCodec
@@ -77,6 +77,21 @@ from .rotary import Rotary
 # same way but holds the shrunken least-squares values, so a document cache
 # hit would not equal a fresh prefill.
 FORMAT = "tqcache-6"
+
+def make_codecs(quantizer: str, key_bits: int, value_bits: int, rotation: HadamardRotation,
+                value_rotation: HadamardRotation) -> tuple[PackedCodec, PackedCodec]:
+    """The key and value codecs of a cache (dims from the rotations).
+
+    Keys keep the least-squares scale (a logit's best estimate), values the
+    unbiased one (attention averages them over many tokens: ``codec``'s
+    docstring).  SmolLM2, window 0, 4,096 scored positions: 2.5 bits
+    +24.2% -> +15.8% perplexity, 3.5 bits +3.65% -> +2.45%, 4 bits
+    +1.35% -> +1.28% (docs/benchmarks.md).
+    """
+    codec = TrellisCodec if quantizer == "tcq" else TurboQuantCodec
+    return (codec(rotation.dim, key_bits, rotation),
+            codec(value_rotation.dim, value_bits, value_rotation, unbiased=True))
+
 
 # The power of (E k^2 / E q^2) per channel that key_scale^2 follows, see
 # TurboQuantKVCache._calibrate_key_scale.
@@ -221,21 +236,15 @@ class TurboQuantKVCache(_BaseCache):
 
         Keys and values share one rotation when their dims agree (as the
         design fixes); a model with different value dims gets a second
-        rotation of its own size from the same seed.  Keys keep the
-        least-squares scale (a logit's best estimate), values the unbiased
-        one (attention averages them over many tokens: ``codec``'s
-        docstring).  SmolLM2, window 0, 4,096 scored positions: 2.5 bits
-        +24.2% -> +15.8% perplexity, 3.5 bits +3.65% -> +2.45%, 4 bits
-        +1.35% -> +1.28% (docs/benchmarks.md).
+        rotation of its own size from the same seed.
         """
         self._dims = (k_dim, v_dim)
         self.rotation = HadamardRotation(k_dim, self.seed)
         self.value_rotation = (
             self.rotation if v_dim == k_dim else HadamardRotation(v_dim, self.seed)
         )
-        codec = TrellisCodec if self.quantizer == "tcq" else TurboQuantCodec
-        self.key_codec = codec(k_dim, self.key_bits, self.rotation)
-        self.value_codec = codec(v_dim, self.value_bits, self.value_rotation, unbiased=True)
+        self.key_codec, self.value_codec = make_codecs(
+            self.quantizer, self.key_bits, self.value_bits, self.rotation, self.value_rotation)
 
     @property
     def flush_batch(self) -> int:
