@@ -27,6 +27,10 @@ Reported against the float32 cache: perplexity of the scored tokens (per
 passage and its change), mean KL(float32 || config) of the next-token
 distributions, top-1 agreement, and the bytes the cache holds per token at
 the end (packed codes, scales, exact tokens and calibration, all layers).
+The perplexity change and the KL come with 95% intervals from a paired
+block bootstrap over the scored positions (:func:`intervals`): how much
+the figure would move on other text of the same kind, which is what says
+whether a row really is above or below a goal.
 History from the float32 prefill keeps one prefill per passage for all
 configurations; it leaves out the compounding of quantized attention during
 prefill (at 3.5 bits without the exact window that added about 1% of
@@ -60,6 +64,8 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Sequence
+
+import numpy as np
 
 import turboquant  # noqa: F401  (fast CPU BLAS before mlx.core)
 import mlx.core as mx
@@ -98,6 +104,12 @@ class CacheConfig:
     window: int | None = None
     quantizer: str = "scalar"  # turboquant only
     key_mean: str = "turned"  # turboquant only: "turned" (CPU), "blocks" (GPU), "constant" (no RoPE term)
+    seed: int = 0  # the random rotation's (turboquant, mlx-vlm)
+
+    @property
+    def seeded(self) -> bool:
+        """Whether the cache draws a random rotation (so ``--seeds`` repeats it)."""
+        return self.scheme in ("turboquant", "mlx-vlm")
 
     def build(self, model: Any) -> list:
         from turboquant import make_prompt_cache
@@ -107,7 +119,8 @@ class CacheConfig:
         if self.scheme == "affine":
             return make_prompt_cache(model, kv_bits=self.bits, kv_quant_scheme="affine")
         if self.scheme == "turboquant":
-            caches = make_prompt_cache(model, kv_bits=self.bits, window=self.window, quantizer=self.quantizer)
+            caches = make_prompt_cache(model, kv_bits=self.bits, window=self.window, quantizer=self.quantizer,
+                                       seed=self.seed)
             for c in caches:  # whatever this machine would choose: the row's key centring
                 c.mean_blocks = self.key_mean == "blocks"
                 c.mean_pairs = MEAN_PAIRS if c.mean_blocks else 0
@@ -118,7 +131,7 @@ class CacheConfig:
             from mlx_vlm.turboquant import TurboQuantKVCache as PeerCache
 
             route_benchmark_attention()
-            return [PeerCache(bits=self.bits) for _ in model.layers]
+            return [PeerCache(bits=self.bits, seed=self.seed) for _ in model.layers]
         raise ValueError(f"benchmarks.quality: unknown scheme {self.scheme!r}")
 
 
@@ -371,18 +384,78 @@ class Result:
     ppl: list[float] = field(default_factory=list)  # per passage
     ppl_change: float = 0.0  # mean over passages of ppl / float32 ppl - 1
     kl: float = 0.0  # mean KL(float32 || config) over all scored positions
+    ppl_change_interval: list[float] = field(default_factory=lambda: [0.0, 0.0])  # BOOT_LEVEL, paired (intervals)
+    kl_interval: list[float] = field(default_factory=lambda: [0.0, 0.0])
+    seeds: int = 1  # rotation seeds the row is averaged over (--seeds)
+    ppl_change_per_seed: list[float] = field(default_factory=list)
     top1: float = 0.0
     bytes_per_token: float = 0.0  # all layers, keys + values
     seconds: float = 0.0
     key_mean: str = ""  # turboquant: "turned" (as on the CPU), "blocks" (as on GPUs) or "constant"
 
 
-def score(ref: mx.array, other: mx.array, targets: mx.array) -> tuple[list[float], float, float]:
-    """(perplexity per passage, mean KL(ref || other), top-1 agreement) of [B, T, V] log-probs."""
-    nll = -mx.take_along_axis(other, targets[..., None], axis=-1)[..., 0].mean(axis=1)
+@dataclass
+class Scores:
+    """One configuration's per-position terms against float32's, [B, T] each
+    (NumPy): what the row's figures, its intervals and a seed average come from."""
+
+    nll: np.ndarray  # the config's negative log-likelihood of each scored token
+    nll_change: np.ndarray  # minus float32's
+    kl: np.ndarray  # KL(float32 || config) of the next-token distributions
+    top1: np.ndarray  # 1 where both rank the same token first
+
+    @property
+    def ppl(self) -> list[float]:
+        return np.exp(self.nll.mean(axis=1)).tolist()
+
+    @property
+    def ppl_change(self) -> float:
+        """The mean over passages of ppl / float32 ppl - 1."""
+        return float(np.expm1(self.nll_change.mean(axis=1)).mean())
+
+    @classmethod
+    def mean(cls, runs: Sequence["Scores"]) -> "Scores":
+        """The average over rotation seeds, position by position (the
+        perplexity of the mean log-likelihood: a geometric mean over seeds)."""
+        return cls(*(np.mean([getattr(r, f) for r in runs], axis=0) for f in ("nll", "nll_change", "kl", "top1")))
+
+
+def score(ref: mx.array, other: mx.array, targets: mx.array) -> Scores:
+    """The per-position terms of [B, T, V] log-probs ``other`` against ``ref``."""
+    nll = -mx.take_along_axis(other, targets[..., None], axis=-1)[..., 0]
+    nll_ref = -mx.take_along_axis(ref, targets[..., None], axis=-1)[..., 0]
     kl = mx.maximum(mx.sum(mx.exp(ref) * (ref - other), axis=-1), 0.0)
     top1 = mx.argmax(ref, axis=-1) == mx.argmax(other, axis=-1)
-    return [math.exp(x) for x in nll.tolist()], float(kl.mean().item()), float(top1.mean().item())
+    return Scores(*(np.asarray(x.astype(mx.float32), np.float64) for x in (nll, nll - nll_ref, kl, top1)))
+
+
+# Intervals: a paired block bootstrap over the scored positions.  Paired:
+# every draw takes the same positions from float32 and the cache, so what
+# varies is which text was scored, not two independent samples.  Blocks:
+# neighbouring tokens' losses are correlated (a hard sentence is hard for
+# several tokens), so positions are drawn BOOT_BLOCK at a time (fewer where
+# a passage has under 4 blocks), each passage from its own blocks.  A fixed
+# seed keeps a table reproducible.
+BOOT_BLOCK = 16
+BOOT_DRAWS = 2000
+BOOT_LEVEL = 0.95
+
+
+def intervals(nll_change: np.ndarray, kl: np.ndarray, seed: int = 0) -> tuple[list[float], list[float]]:
+    """``BOOT_LEVEL`` intervals of (perplexity change, mean KL), each [low, high],
+    from the per-position terms [B, T] of :class:`Scores` (the perplexity
+    change as the table gives it: the mean over passages of ppl ratio - 1)."""
+    B, T = nll_change.shape
+    size = max(1, min(BOOT_BLOCK, T // 4))  # short samples (--quick) still draw from 4 blocks
+    nb = T // size
+    blocks = lambda x: x[:, : nb * size].reshape(B, nb, size).mean(axis=2)  # noqa: E731
+    d, k = blocks(nll_change), blocks(kl)
+    pick = np.random.default_rng(seed).integers(0, nb, size=(BOOT_DRAWS, B, nb))
+    rows = np.arange(B)[None, :, None]
+    ppl = (np.exp(d[rows, pick].mean(axis=2)) - 1).mean(axis=1)
+    kls = k[rows, pick].mean(axis=(1, 2))
+    q = [(1 - BOOT_LEVEL) / 2, (1 + BOOT_LEVEL) / 2]
+    return np.quantile(ppl, q).tolist(), np.quantile(kls, q).tolist()
 
 
 @dataclass
@@ -392,18 +465,28 @@ class Reference:
     history: History
     targets: mx.array  # [B, T] scored tokens
     logprobs: mx.array  # [B, T, V]
-    result: Result
+    run: "Run"
 
 
-def _result(config: CacheConfig, base_ppl: list[float] | None, scores: tuple, caches: list,
-            ids_shape: tuple, seconds: float) -> Result:
-    ppl, kl, top1 = scores
-    base = base_ppl or ppl
-    return Result(config.label, config.scheme, config.bits, config.window,
-                  config.quantizer if config.scheme == "turboquant" else "",
-                  ppl, sum(p / b - 1 for p, b in zip(ppl, base)) / len(ppl), kl, top1,
-                  kv_bytes(caches) / (ids_shape[0] * (ids_shape[1] - 1)), seconds,
-                  config.key_mean if config.scheme == "turboquant" else "")
+@dataclass
+class Run:
+    """One configuration at one rotation seed: what a worker sends back."""
+
+    config: CacheConfig
+    scores: Scores
+    bytes_per_token: float  # all layers, keys + values
+    seconds: float
+
+
+def summarize(runs: Sequence[Run]) -> Result:
+    """One table row from a configuration's runs (one per seed)."""
+    c, sc = runs[0].config, Scores.mean([r.scores for r in runs])
+    ppl_iv, kl_iv = intervals(sc.nll_change, sc.kl)
+    return Result(c.label, c.scheme, c.bits, c.window, c.quantizer if c.scheme == "turboquant" else "",
+                  sc.ppl, sc.ppl_change, float(sc.kl.mean()), ppl_iv, kl_iv, len(runs),
+                  [r.scores.ppl_change for r in runs], float(sc.top1.mean()),
+                  sum(r.bytes_per_token for r in runs) / len(runs), sum(r.seconds for r in runs),
+                  c.key_mean if c.scheme == "turboquant" else "")
 
 
 def check_reference(config: CacheConfig) -> None:
@@ -424,38 +507,59 @@ def reference_run(model: Any, ids: mx.array, n_prefill: int, config: CacheConfig
     targets = ids[:, n_prefill:]
     t0 = time.perf_counter()
     lp = scorer(stepwise)(model, history.cache, history.first, targets)
-    result = _result(config, None, score(lp, lp, targets), history.cache, ids.shape, time.perf_counter() - t0)
-    return Reference(history, targets, lp, result)
+    run = Run(config, score(lp, lp, targets), kv_bytes(history.cache) / (ids.shape[0] * (ids.shape[1] - 1)),
+              time.perf_counter() - t0)
+    return Reference(history, targets, lp, run)
 
 
 def run_config(model: Any, ref: Reference, config: CacheConfig, chunk: int = 256,
-               stepwise: bool = False) -> Result:
-    """One configuration: its caches filled with the float32 history, then scored."""
+               stepwise: bool = False) -> Run:
+    """One configuration (at its seed): its caches filled with the float32 history, then scored."""
     t0 = time.perf_counter()
     caches = config.build(model)
     fill(caches, ref.history, chunk)
     lp = scorer(stepwise)(model, caches, ref.history.first, ref.targets)
-    ids_shape = (ref.targets.shape[0], ref.history.keys[0].shape[2] + ref.targets.shape[1])
-    r = _result(config, ref.result.ppl, score(ref.logprobs, lp, ref.targets), caches, ids_shape,
-                time.perf_counter() - t0)
+    B, T = ref.targets.shape
+    run = Run(config, score(ref.logprobs, lp, ref.targets),
+              kv_bytes(caches) / (B * (ref.history.keys[0].shape[2] + T - 1)), time.perf_counter() - t0)
     del caches, lp
     mx.clear_cache()
-    return r
+    return run
+
+
+def seeded(configs: Sequence[CacheConfig], seeds: int) -> list[list[CacheConfig]]:
+    """Each config at rotation seeds ``c.seed`` .. ``c.seed + seeds - 1`` (once
+    where it draws no rotation)."""
+    from dataclasses import replace
+
+    return [[replace(c, seed=c.seed + k) for k in range(seeds if c.seeded else 1)] for c in configs]
+
+
+def _change(r: Result) -> str:
+    lo, hi = r.ppl_change_interval
+    return f"{100 * r.ppl_change:+.2f}% ({100 * lo:+.1f}, {100 * hi:+.1f})"
+
+
+def _kl(r: Result) -> str:
+    lo, hi = r.kl_interval
+    return f"{r.kl:.4f} ({lo:.4f}, {hi:.4f})"
 
 
 def log_line(r: Result) -> str:
-    return (f"{r.label:34s} ppl {' / '.join(f'{p:.3f}' for p in r.ppl)} ({100 * r.ppl_change:+.2f}%)  "
-            f"KL {r.kl:.4f}  top-1 {100 * r.top1:.1f}%  {r.bytes_per_token:,.0f} B/token  ({r.seconds:.0f} s)")
+    per_seed = f"  per seed {' / '.join(f'{100 * c:+.2f}%' for c in r.ppl_change_per_seed)}" if r.seeds > 1 else ""
+    return (f"{r.label:34s} ppl {' / '.join(f'{p:.3f}' for p in r.ppl)} {_change(r)}  "
+            f"KL {_kl(r)}  top-1 {100 * r.top1:.1f}%  {r.bytes_per_token:,.0f} B/token  ({r.seconds:.0f} s){per_seed}")
 
 
 def evaluate(model: Any, ids: mx.array, n_prefill: int, configs: Sequence[CacheConfig], *,
-             chunk: int = 256, stepwise: bool = False, log=lambda s: None) -> list[Result]:
-    """Every config on the passages ``ids`` [B, n_prefill + T] in this process; ``configs[0]`` is float32."""
+             chunk: int = 256, stepwise: bool = False, seeds: int = 1, log=lambda s: None) -> list[Result]:
+    """Every config on the passages ``ids`` [B, n_prefill + T] in this process
+    (each rotating one averaged over ``seeds`` seeds); ``configs[0]`` is float32."""
     ref = reference_run(model, ids, n_prefill, configs[0], chunk, stepwise)
-    results = [ref.result]
-    log(log_line(ref.result))
-    for config in configs[1:]:
-        results.append(run_config(model, ref, config, chunk, stepwise))
+    results = [summarize([ref.run])]
+    log(log_line(results[-1]))
+    for group in seeded(configs[1:], seeds):
+        results.append(summarize([run_config(model, ref, c, chunk, stepwise) for c in group]))
         log(log_line(results[-1]))
     return results
 
@@ -480,16 +584,17 @@ def _worker_init(model_ref: str | None, ids: list[list[int]], n_prefill: int, re
                    ref=reference_run(model, arr, n_prefill, reference, chunk, stepwise))
 
 
-def _worker_row(config: CacheConfig | None) -> Result:
+def _worker_row(config: CacheConfig | None) -> Run:
     if config is None:
-        return _WORKER["ref"].result
+        return _WORKER["ref"].run
     return run_config(_WORKER["model"], _WORKER["ref"], config, _WORKER["chunk"], _WORKER["stepwise"])
 
 
 def evaluate_in_workers(model_ref: str | None, ids: list[list[int]], n_prefill: int,
                         configs: Sequence[CacheConfig], *, workers: int, chunk: int = 256,
-                        stepwise: bool = False, log=lambda s: None) -> list[Result]:
-    """:func:`evaluate` in ``workers`` spawned processes (each loads ``model_ref``:
+                        stepwise: bool = False, seeds: int = 1, log=lambda s: None) -> list[Result]:
+    """:func:`evaluate` in ``workers`` spawned processes (one run, a config at
+    one seed, at a time) (each loads ``model_ref``:
     a path, or None for the built-in model); results in ``configs`` order.  A
     worker that cannot start (a model that does not load) fails the run with
     ``BrokenProcessPool`` instead of being started again and again."""
@@ -503,10 +608,12 @@ def evaluate_in_workers(model_ref: str | None, ids: list[list[int]], n_prefill: 
         with ProcessPoolExecutor(max(1, workers), mp_context=multiprocessing.get_context("spawn"),
                                  initializer=_worker_init,
                                  initargs=(model_ref, ids, n_prefill, configs[0], chunk, stepwise)) as pool:
+            groups = [[None], *seeded(configs[1:], seeds)]
+            runs = iter(pool.map(_worker_row, [c for g in groups for c in g]))
             results = []
-            for r in pool.map(_worker_row, [None, *configs[1:]]):
-                results.append(r)
-                log(log_line(r))
+            for g in groups:  # in order, each row as soon as its last run is in
+                results.append(summarize([next(runs) for _ in g]))
+                log(log_line(results[-1]))
     finally:
         for k, v in saved.items():
             if v is None:
@@ -519,12 +626,12 @@ def evaluate_in_workers(model_ref: str | None, ids: list[list[int]], n_prefill: 
 # --------------------------------------------------------------------- CLI
 def format_table(results: Sequence[Result]) -> str:
     peer = {r.bits: r.kl for r in results if r.scheme == "mlx-vlm"}
-    lines = ["| cache | bytes/token | perplexity | vs float32 | mean KL | KL / mlx-vlm | top-1 |",
+    lines = ["| cache | bytes/token | perplexity | vs float32 (95%) | mean KL (95%) | KL / mlx-vlm | top-1 |",
              "|---|---:|---|---:|---:|---:|---:|"]
     for r in results:
         rel = f"{r.kl / peer[r.bits]:.2f}x" if r.scheme == "turboquant" and peer.get(r.bits) else ""
         lines.append(f"| {r.label} | {r.bytes_per_token:,.0f} | {' / '.join(f'{p:.2f}' for p in r.ppl)} | "
-                     f"{100 * r.ppl_change:+.2f}% | {r.kl:.4f} | {rel} | {100 * r.top1:.1f}% |")
+                     f"{_change(r)} | {_kl(r)} | {rel} | {100 * r.top1:.1f}% |")
     return "\n".join(lines)
 
 
@@ -545,6 +652,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="processes scoring rows side by side (default: CPU cores, at most 4)")
     p.add_argument("--quick", action="store_true",
                    help="CI smoke: 1 passage, 512 + 32 tokens, 3.5 bits, scalar, affine 4 and 2")
+    p.add_argument("--seeds", type=int, default=1,
+                   help="average each rotating cache (ours, mlx-vlm) over this many rotation seeds "
+                        "(0, 1, ...): perplexity moves by a few points between seeds at 768 positions")
     p.add_argument("--stepwise", action="store_true",
                    help="score one decode step at a time through the caches (what the default "
                         "replays in one forward; ~10x slower)")
@@ -552,6 +662,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     a = p.parse_args(argv)
     if a.quick:
         a.passages, a.prefill, a.tokens, a.bits, a.quantizers = 1, 512, 32, "3.5", "scalar"
+    if a.seeds < 1:
+        p.error("--seeds: at least 1")
     schemes, quantizers, key_means = a.schemes.split(","), a.quantizers.split(","), a.key_mean.split(",")
     if set(schemes) - set(SCHEMES[1:]) or set(quantizers) - set(QUANTIZERS) or set(key_means) - set(KEY_MEANS):
         p.error(f"--schemes from {', '.join(SCHEMES[1:])}; --quantizers from {', '.join(QUANTIZERS)}; "
@@ -567,16 +679,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     configs = default_configs(a.window, [float(b) for b in a.bits.split(",")], schemes, quantizers, key_means)
     print(f"model: {name} (float32 on CPU); {a.passages} passages of pydoc_data.topics "
           f"{list(TOPICS[:a.passages])}: {a.prefill} history + {a.tokens} scored tokens each; "
-          f"prefill chunk {a.chunk}; scored {'one decode step at a time' if a.stepwise else 'in one replayed forward'}; "
+          f"prefill chunk {a.chunk}; {a.seeds} rotation seed(s); "
+          f"scored {'one decode step at a time' if a.stepwise else 'in one replayed forward'}; "
           f"{a.workers} worker process(es), OpenBLAS on 1 thread each", flush=True)
     results = evaluate_in_workers(None, ids, a.prefill, configs, workers=a.workers, chunk=a.chunk,
-                                  stepwise=a.stepwise, log=lambda s: print(s, flush=True))
+                                  stepwise=a.stepwise, seeds=a.seeds, log=lambda s: print(s, flush=True))
     print()
     print(format_table(results))
     print(f"\ntotal {time.perf_counter() - t0:.0f} s on {platform.machine()} CPU")
     if a.json:
         print(json.dumps({"topics": list(TOPICS[:a.passages]), "prefill": a.prefill, "tokens": a.tokens,
-                          "chunk": a.chunk, "window": a.window, "stepwise": a.stepwise,
+                          "chunk": a.chunk, "window": a.window, "stepwise": a.stepwise, "seeds": a.seeds,
                           "results": [asdict(r) for r in results]}))
     return 0
 

@@ -10,6 +10,7 @@ import math
 
 import mlx.core as mx
 import pytest
+from dataclasses import replace
 from mlx.utils import tree_map
 
 from benchmarks import memory, needle, quality
@@ -259,6 +260,7 @@ def test_quality_scores_float32_against_itself_and_quantized(tiny_lm):
     res = {r.label: r for r in quality.evaluate(tiny_lm, ids, 300, configs, chunk=64)}
     ref = res["float32"]
     assert (ref.kl, ref.top1, ref.ppl_change) == (0.0, 1.0, 0.0) and len(ref.ppl) == 2
+    assert ref.ppl_change_interval == [0.0, 0.0] and ref.kl_interval == [0.0, 0.0]
     again = res["float32 again"]
     assert (again.kl, again.top1, again.ppl) == (0.0, 1.0, ref.ppl)
     # 2 layers x 1 kv head x 64 dims x (K + V) x 4 bytes per token held
@@ -267,6 +269,7 @@ def test_quality_scores_float32_against_itself_and_quantized(tiny_lm):
     for label in ("ours 2.5, window 0", "ours 2.5 tcq, window 0", "mlx-vlm 2.5", "affine 2"):
         r = res[label]
         assert 1e-6 < r.kl < 10 and 0.0 <= r.top1 <= 1.0, label
+        assert r.kl_interval[0] <= r.kl <= r.kl_interval[1] and r.kl_interval[0] < r.kl_interval[1], label
         assert 0 < r.bytes_per_token < ref.bytes_per_token / 4, label
     assert "|" in quality.format_table(list(res.values()))
     with pytest.raises(ValueError, match="first config must be the float32 reference"):
@@ -367,6 +370,10 @@ def test_quality_rows_in_workers_do_not_depend_on_the_worker_count(tmp_path):
         return [{k: v for k, v in asdict(r).items() if k != "seconds"} for r in results]
 
     assert rows(runs[0]) == rows(runs[1])
+    seeded = quality.evaluate_in_workers(model_dir, ids, 200, configs, workers=2, chunk=64, seeds=2)
+    assert [r.seeds for r in seeded] == [1, 2, 1] and seeded[2].kl == runs[0][2].kl
+    assert seeded[1].ppl_change_per_seed[0] == runs[0][1].ppl_change
+    assert seeded[1].ppl_change_per_seed[0] != seeded[1].ppl_change_per_seed[1]
     with pytest.raises(ValueError, match="first config must be the float32 reference"):
         quality.evaluate_in_workers(model_dir, ids, 200, configs[1:], workers=1)
     from concurrent.futures.process import BrokenProcessPool
@@ -383,3 +390,49 @@ def test_quality_default_configs_cover_widths_windows_quantizers():
         (0, "scalar"), (128, "scalar"), (0, "tcq"), (128, "tcq")}
     assert [c.bits for c in full if c.scheme == "affine"] == [4, 2]
 
+
+
+def test_quality_intervals_are_a_paired_block_bootstrap():
+    """Equal caches get a zero-width interval; a constant per-position change
+    c gives exactly e^c - 1; on noisy terms the interval holds the point
+    estimate and narrows about as 1/sqrt(positions); draws are reproducible."""
+    np = pytest.importorskip("numpy")
+    zero = np.zeros((3, 256))
+    assert quality.intervals(zero, zero) == ([0.0, 0.0], [0.0, 0.0])
+    ppl, kl = quality.intervals(np.full((2, 64), 0.05), np.full((2, 64), 0.02))
+    assert ppl == pytest.approx([np.expm1(0.05)] * 2) and kl == pytest.approx([0.02, 0.02])
+    rng = np.random.default_rng(1)
+    widths = []
+    for T in (256, 4096):
+        d = rng.normal(0.03, 0.5, size=(3, T))
+        k = rng.exponential(0.02, size=(3, T))
+        (lo, hi), (klo, khi) = quality.intervals(d, k)
+        point = np.mean(np.expm1(d.mean(axis=1)))
+        assert lo < point < hi and klo < k.mean() < khi
+        widths.append(hi - lo)
+        assert quality.intervals(d, k) == ([lo, hi], [klo, khi])
+    assert 2.5 < widths[0] / widths[1] < 6.5  # sqrt(16) = 4
+
+
+def test_quality_seeds_average_each_rotating_cache_position_by_position(tiny_lm):
+    """``seeds=2``: a rotating cache's row is its seed-0 and seed-1 runs
+    averaged per position (KL and top-1 their mean, perplexity their
+    geometric mean, per-seed changes kept); a cache with no rotation runs once."""
+    np = pytest.importorskip("numpy")
+    ids = mx.array(quality.passages(CharTokenizer(), 2, 300 + 12), dtype=mx.int32)
+    ours = quality.CacheConfig("ours 2.5, window 0", "turboquant", 2.5, 0)
+    peer = quality.CacheConfig("mlx-vlm 2.5", "mlx-vlm", 2.5)
+    affine = quality.CacheConfig("affine 2", "affine", 2)
+    base = [quality.CacheConfig("float32", "fp16")]
+    assert [len(g) for g in quality.seeded([ours, peer, affine], 3)] == [3, 3, 1]
+    assert [c.seed for c in quality.seeded([replace(ours, seed=5)], 2)[0]] == [5, 6]  # from the config's own seed
+    avg = {r.label: r for r in quality.evaluate(tiny_lm, ids, 300, base + [ours, peer, affine], chunk=64, seeds=2)}
+    one = [{r.label: r for r in quality.evaluate(tiny_lm, ids, 300, base + [replace(c, seed=s) for c in (ours, peer)],
+                                                 chunk=64)} for s in (0, 1)]
+    for label in (ours.label, peer.label):
+        a, r0, r1 = avg[label], one[0][label], one[1][label]
+        assert a.seeds == 2 and a.ppl_change_per_seed == pytest.approx([r0.ppl_change, r1.ppl_change])
+        assert r0.kl != r1.kl and a.kl == pytest.approx((r0.kl + r1.kl) / 2)
+        assert a.top1 == pytest.approx((r0.top1 + r1.top1) / 2)
+        assert a.ppl == pytest.approx(list(np.sqrt(np.array(r0.ppl) * np.array(r1.ppl))))
+    assert avg[affine.label].seeds == 1 and avg[affine.label].ppl_change_per_seed == [avg[affine.label].ppl_change]
