@@ -436,3 +436,10 @@ def test_quality_seeds_average_each_rotating_cache_position_by_position(tiny_lm)
         assert a.top1 == pytest.approx((r0.top1 + r1.top1) / 2)
         assert a.ppl == pytest.approx(list(np.sqrt(np.array(r0.ppl) * np.array(r1.ppl))))
     assert avg[affine.label].seeds == 1 and avg[affine.label].ppl_change_per_seed == [avg[affine.label].ppl_change]
+
+
+def test_quality_help_renders(capsys):
+    """argparse formats help strings with %: a bare percent sign there breaks --help."""
+    with pytest.raises(SystemExit) as e:
+        quality.main(["--help"])
+    assert e.value.code == 0 and "--seeds" in capsys.readouterr().out
