@@ -62,7 +62,7 @@ import os
 import platform
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Sequence
 
 import numpy as np
@@ -374,6 +374,12 @@ def kv_bytes(caches: list) -> int:
     return int(total)
 
 
+def bytes_per_token(caches: list, ids_shape: tuple) -> float:
+    """The caches' bytes per token held at the end of a run over ``ids_shape``
+    [B, history + scored] (the last scored token is never written)."""
+    return kv_bytes(caches) / (ids_shape[0] * (ids_shape[1] - 1))
+
+
 @dataclass
 class Result:
     label: str
@@ -507,7 +513,7 @@ def reference_run(model: Any, ids: mx.array, n_prefill: int, config: CacheConfig
     targets = ids[:, n_prefill:]
     t0 = time.perf_counter()
     lp = scorer(stepwise)(model, history.cache, history.first, targets)
-    run = Run(config, score(lp, lp, targets), kv_bytes(history.cache) / (ids.shape[0] * (ids.shape[1] - 1)),
+    run = Run(config, score(lp, lp, targets), bytes_per_token(history.cache, ids.shape),
               time.perf_counter() - t0)
     return Reference(history, targets, lp, run)
 
@@ -521,7 +527,7 @@ def run_config(model: Any, ref: Reference, config: CacheConfig, chunk: int = 256
     lp = scorer(stepwise)(model, caches, ref.history.first, ref.targets)
     B, T = ref.targets.shape
     run = Run(config, score(ref.logprobs, lp, ref.targets),
-              kv_bytes(caches) / (B * (ref.history.keys[0].shape[2] + T - 1)), time.perf_counter() - t0)
+              bytes_per_token(caches, (B, ref.history.keys[0].shape[2] + T)), time.perf_counter() - t0)
     del caches, lp
     mx.clear_cache()
     return run
@@ -530,8 +536,6 @@ def run_config(model: Any, ref: Reference, config: CacheConfig, chunk: int = 256
 def seeded(configs: Sequence[CacheConfig], seeds: int) -> list[list[CacheConfig]]:
     """Each config at rotation seeds ``c.seed`` .. ``c.seed + seeds - 1`` (once
     where it draws no rotation)."""
-    from dataclasses import replace
-
     return [[replace(c, seed=c.seed + k) for k in range(seeds if c.seeded else 1)] for c in configs]
 
 
@@ -593,9 +597,9 @@ def _worker_row(config: CacheConfig | None) -> Run:
 def evaluate_in_workers(model_ref: str | None, ids: list[list[int]], n_prefill: int,
                         configs: Sequence[CacheConfig], *, workers: int, chunk: int = 256,
                         stepwise: bool = False, seeds: int = 1, log=lambda s: None) -> list[Result]:
-    """:func:`evaluate` in ``workers`` spawned processes (one run, a config at
-    one seed, at a time) (each loads ``model_ref``:
-    a path, or None for the built-in model); results in ``configs`` order.  A
+    """:func:`evaluate` in ``workers`` spawned processes, each taking one run (a
+    config at one seed) at a time and loading ``model_ref`` (a path, or None
+    for the built-in model); results in ``configs`` order.  A
     worker that cannot start (a model that does not load) fails the run with
     ``BrokenProcessPool`` instead of being started again and again."""
     import multiprocessing
