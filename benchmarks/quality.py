@@ -57,7 +57,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import platform
 import sys
@@ -400,6 +399,13 @@ class Result:
     key_mean: str = ""  # turboquant: "turned" (as on the CPU), "blocks" (as on GPUs) or "constant"
 
 
+def mean_ppl_change(nll_change_means: np.ndarray) -> np.ndarray:
+    """The table's perplexity change from each passage's mean NLL change
+    [..., B]: the mean over passages of ppl / float32 ppl - 1 (also what a
+    bootstrap draw reports, :func:`intervals`)."""
+    return np.expm1(nll_change_means).mean(axis=-1)
+
+
 @dataclass
 class Scores:
     """One configuration's per-position terms against float32's, [B, T] each
@@ -416,8 +422,7 @@ class Scores:
 
     @property
     def ppl_change(self) -> float:
-        """The mean over passages of ppl / float32 ppl - 1."""
-        return float(np.expm1(self.nll_change.mean(axis=1)).mean())
+        return float(mean_ppl_change(self.nll_change.mean(axis=1)))
 
     @classmethod
     def mean(cls, runs: Sequence["Scores"]) -> "Scores":
@@ -458,7 +463,7 @@ def intervals(nll_change: np.ndarray, kl: np.ndarray, seed: int = 0) -> tuple[li
     d, k = blocks(nll_change), blocks(kl)
     pick = np.random.default_rng(seed).integers(0, nb, size=(BOOT_DRAWS, B, nb))
     rows = np.arange(B)[None, :, None]
-    ppl = (np.exp(d[rows, pick].mean(axis=2)) - 1).mean(axis=1)
+    ppl = mean_ppl_change(d[rows, pick].mean(axis=2))
     kls = k[rows, pick].mean(axis=(1, 2))
     q = [(1 - BOOT_LEVEL) / 2, (1 + BOOT_LEVEL) / 2]
     return np.quantile(ppl, q).tolist(), np.quantile(kls, q).tolist()

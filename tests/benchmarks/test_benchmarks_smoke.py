@@ -7,10 +7,10 @@ is compared with itself and move when the cache really quantizes.
 """
 
 import math
+from dataclasses import replace
 
 import mlx.core as mx
 import pytest
-from dataclasses import replace
 from mlx.utils import tree_map
 
 from benchmarks import memory, needle, quality
