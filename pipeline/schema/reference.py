@@ -20,8 +20,8 @@ from pydantic_core import PydanticUndefined
 from pipeline.schema.job import JobSpec
 
 DRAFT = "https://json-schema.org/draft/2020-12/schema"
-_SECTIONS = {"": "top level", "model": "model", "cache": "cache", "context": "context",
-             "tasks[]": "tasks[] (each task)", "engine": "engine", "inputs[]": "inputs[] ({images: ...} entries)"}
+# Section titles beyond the key itself
+_TITLES = {"": "top level", "tasks[]": "tasks[] (each task)", "inputs[]": "inputs[] ({images: ...} entries)"}
 
 
 def job_json_schema() -> dict:
@@ -67,12 +67,28 @@ def _rows(model: type[BaseModel], prefix: str) -> list[tuple[str, str, str, str]
     return rows
 
 
+def _models_in(ann: Any) -> list[type[BaseModel]]:
+    """The pydantic models a field's annotation holds (directly, in a list or a union)."""
+    if isinstance(ann, type) and issubclass(ann, BaseModel):
+        return [ann]
+    return [m for a in typing.get_args(ann) for m in _models_in(a)]
+
+
+def _sections() -> list[tuple[str, type[BaseModel]]]:
+    """``("", JobSpec)``, then every sub-mapping of the job in field order
+    (``key`` or ``key[]`` for a list), read off the schema so no key can be
+    left out of the page."""
+    out: list[tuple[str, type[BaseModel]]] = [("", JobSpec)]
+    for name, field in JobSpec.model_fields.items():
+        key = field.alias or name
+        listed = typing.get_origin(field.annotation) is list
+        out += [(f"{key}[]" if listed else key, m) for m in _models_in(field.annotation)]
+    return out
+
+
 def job_reference_markdown() -> str:
     """The job-file reference page: every key with its type, default and meaning."""
-    from pipeline.schema.job import CacheSpec, ContextSpec, EngineSpec, ImageSetInput, ModelSpec, TaskSpec
-
-    sections = [("", JobSpec), ("model", ModelSpec), ("cache", CacheSpec), ("context", ContextSpec),
-                ("tasks[]", TaskSpec), ("engine", EngineSpec), ("inputs[]", ImageSetInput)]
+    sections = _sections()
     out = [
         "# Job file reference",
         "",
@@ -83,7 +99,7 @@ def job_reference_markdown() -> str:
         "",
     ]
     for prefix, model in sections:
-        out += [f"## {_SECTIONS[prefix]}", "", "| key | type | default | meaning |", "|---|---|---|---|"]
+        out += [f"## {_TITLES.get(prefix, prefix)}", "", "| key | type | default | meaning |", "|---|---|---|---|"]
         dotted = f"{prefix}." if prefix else ""
         out += [f"| `{k}` | {t} | {d} | {m} |" for k, t, d, m in _rows(model, dotted)]
         out.append("")

@@ -28,6 +28,32 @@ def test_reference_page_is_generated_from_the_schema():
         assert key in page, key
 
 
+def test_reference_page_lists_every_key_of_the_json_schema():
+    """Every key the JSON Schema accepts, nested mappings included, has a row
+    (read off the JSON Schema, not the page generator's own walk)."""
+    page = job_reference_markdown()
+    schema = job_json_schema()
+    defs = schema["$defs"]
+
+    def refs(prop: dict) -> list[str]:
+        found = [prop["$ref"]] if "$ref" in prop else []
+        for k in ("items", "anyOf", "oneOf", "allOf"):
+            sub = prop.get(k)
+            for p in (sub if isinstance(sub, list) else [sub] if sub else []):
+                found += refs(p)
+        return [r.rsplit("/", 1)[-1] for r in found]
+
+    keys = []
+    for name, prop in schema["properties"].items():
+        keys.append(name)
+        for ref in refs(prop):
+            listed = prop.get("type") == "array"
+            keys += [f"{name}{'[]' if listed else ''}.{k}" for k in defs[ref]["properties"]]
+    assert "cache_store.max_gb" in keys and "inputs[].images" in keys
+    missing = [k for k in keys if f"| `{k}` |" not in page]
+    assert not missing, missing
+
+
 @pytest.mark.parametrize("job", sorted((REPO / "jobs").glob("*.yaml")), ids=lambda p: p.name)
 def test_shipped_jobs_validate_against_the_job_schema(job):
     jsonschema.validate(yaml.safe_load(job.read_text()), job_json_schema())
