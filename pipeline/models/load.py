@@ -280,9 +280,16 @@ def has_random_weights(model_dir: Path) -> bool:
 
 
 def main() -> None:
-    """``python -m pipeline.models.load``: build (or check) both built-in models and
-    print where they are, e.g. to warm the cache on Ray workers or in an image."""
+    """``python -m pipeline.models``: build (or check) the built-in models and
+    print where they are, e.g. to warm the cache on Ray workers or in an image.
+
+    The tiny VLM needs the ``vlm`` extra; where mlx-vlm is not installed (a
+    ``tqpipe[ray]`` worker, say) it is skipped with a line saying so, since
+    SmolLM2 is all such a node can run."""
     for name, build in _BUILTINS.items():
+        if name == BUILTIN_VLM and not _module_exists("mlx_vlm"):
+            print(f"{name}\tskipped: needs mlx-vlm ({VLM_INSTALL})")
+            continue
         print(f"{name}\t{build()}")
 
 

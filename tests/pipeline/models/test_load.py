@@ -116,6 +116,24 @@ def test_vlm_without_mlx_vlm_names_the_extra(tmp_path, monkeypatch):
     assert str(tmp_path) in str(e.value)
 
 
+def test_warming_builds_the_vlm_only_with_mlx_vlm(monkeypatch, capsys):
+    """``python -m pipeline.models`` on a node without the vlm extra (a Ray
+    worker with ``tqpipe[ray]``) warms SmolLM2 and says why it skips the VLM."""
+    built = []
+    monkeypatch.setitem(models._BUILTINS, BUILTIN_TEXT, lambda: built.append("text") or Path("/m/text"))
+    monkeypatch.setitem(models._BUILTINS, BUILTIN_VLM, lambda: built.append("vlm") or Path("/m/vlm"))
+    module_exists = models._module_exists
+    monkeypatch.setattr(models, "_module_exists", lambda name: not name.startswith("mlx_vlm") and module_exists(name))
+    models.main()
+    out = capsys.readouterr().out.splitlines()
+    assert built == ["text"]
+    assert out == [f"{BUILTIN_TEXT}\t/m/text", f"{BUILTIN_VLM}\tskipped: needs mlx-vlm (pip install 'tqpipe[vlm]')"]
+    monkeypatch.setattr(models, "_module_exists", module_exists)
+    models.main()
+    assert built == ["text", "text", "vlm"]
+    assert capsys.readouterr().out.splitlines()[1] == f"{BUILTIN_VLM}\t/m/vlm"
+
+
 @pytest.mark.parametrize("path", ["/no/such/model-dir", "./missing-model", "~/no-such-tqpipe-model"])
 def test_missing_local_path(path):
     with pytest.raises(ModelLoadError, match="does not exist") as e:
