@@ -81,3 +81,17 @@ def test_systemd_units_verify(tmp_path, tiny_vlm_dir):
         assert Path(exec_start[0]).is_file() and exec_start[1] in ("run", "watch")
     assert "SuccessExitStatus=1" in units["tqpipe-summarize.service"]
     assert "RestartPreventExitStatus=2 3" in units["tqpipe-inbox.service"]
+    assert "SuccessExitStatus=143" in units["tqpipe-inbox.service"]  # systemctl stop is not a failure
+
+
+def test_exit_code_table_lists_every_code_the_cli_documents():
+    """The scheduler's table (the page's first) names every exit code ``tqpipe --help`` does."""
+    from pipeline.cli import EXIT_CODES_HELP
+
+    page = (REPO / "docs" / "scheduling.md").read_text()
+    table = page[page.index("| exit code |"):page.index("## crontab")]
+    listed = {c for row in re.findall(r"^\| ([\d, ]+) \|", table, re.M) for c in re.findall(r"\d+", row)}
+    documented = {c for line in EXIT_CODES_HELP.splitlines()[2:] for c in re.findall(r"^\s+(\d+(?:, \d+)*)", line)
+                  for c in c.split(", ")}
+    assert documented == {"0", "1", "2", "3", "4", "130", "143"}
+    assert listed == documented
