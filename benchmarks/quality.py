@@ -578,7 +578,7 @@ def evaluate(model: Any, ids: mx.array, n_prefill: int, configs: Sequence[CacheC
 # worker runs OpenBLAS on one thread: the float sums then come out in the
 # same order whatever the worker count or the machine's cores, so the table
 # does not depend on them (it moves by ~0.5 perplexity points between 1 and
-# 2 BLAS threads: docs/benchmarks.md).
+# 2 BLAS threads: docs/results/quality_threads_cpu.txt).
 WORKER_ENV = {"OPENBLAS_NUM_THREADS": "1"}
 _WORKER: dict = {}
 
