@@ -317,7 +317,7 @@ def watch(inbox: str, job_file: str, settle: float, poll: float, pages: str | No
                            same_content=same_content)
     with stop_on_signals():
         try:
-            watcher.run(handle, max_iterations=max_polls)
+            outcomes = watcher.run(handle, max_iterations=max_polls)
         except KeyboardInterrupt as e:
             stop = stopped_from(e)
             _fail(f"watch {shown(inbox_dir)}: stopped by {stop.name}; handled files are in the ledger, "
@@ -328,7 +328,10 @@ def watch(inbox: str, job_file: str, settle: float, poll: float, pages: str | No
             _fail(str(e), EXIT_USAGE)
         except TqpipeError as e:  # model, ledger, output: the watcher cannot go on
             _fail(f"{e} (the watcher could not proceed)", EXIT_RUN)
-    sys.exit(EXIT_OK)
+    failed = [p for p, status in outcomes.items() if status == "failed"]
+    click.echo(f"watch {shown(inbox_dir)}: {len(outcomes)} file(s) handled, {len(failed)} failed"
+               + (f": {', '.join(shown(p) for p in failed)}" if failed else ""))
+    sys.exit(EXIT_FAILED if failed else EXIT_OK)
 
 
 @main.command(epilog=EXIT_CODES_HELP)

@@ -135,6 +135,9 @@ class InboxWatcher:
         self._hashes: dict[Path, tuple[Signature, str]] = {}
         self._retry_at: dict[Path, float] = {}
         self._warned_empty: set[Path] = set()
+        # this session's outcome per file, the last one where a file came again
+        # (a half-copied file failed, then its whole copy): what run() returns
+        self.outcomes: dict[Path, str] = {}
 
     # -- ledger ----------------------------------------------------------
     def _open_ledger(self) -> ResultLog:
@@ -328,12 +331,15 @@ class InboxWatcher:
             self._retry_at[path] = time.monotonic() + self.retry_seconds
             return None
         logger.info("inbox: %s -> %s", shown(path), status)
+        self.outcomes[path] = status
         return status
 
     def run(self, handle: Callable[[Path], str | None], *, stop: threading.Event | None = None,
-            max_iterations: int | None = None) -> None:
+            max_iterations: int | None = None) -> dict[Path, str]:
         """Poll, handle each settled file, sleep ``poll_seconds``; until ``stop``
-        is set or ``max_iterations`` polls have run.
+        is set or ``max_iterations`` polls have run.  Returns :attr:`outcomes`
+        (each file handled in this session and its last ledger status), from
+        which the CLI's exit code says whether any document failed.
 
         ``handle(path)`` processes one document and returns a short status for
         the ledger (None means "ok").  It raising marks the file failed, except
@@ -358,6 +364,7 @@ class InboxWatcher:
                     stop.wait(self.poll_seconds)
             finally:
                 self.close()
+        return self.outcomes
 
 
 class InboxError(TqpipeError):

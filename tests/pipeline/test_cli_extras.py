@@ -117,7 +117,10 @@ def test_watch_job_with_empty_inputs_processes_dropped_file(tmp_path, tiny_vlm_d
     args = ["watch", str(inbox), "--job", str(job), "--settle", "0", "--poll", "0.05", "--max-polls", "4"]
     with caplog.at_level(logging.INFO):
         r = CliRunner().invoke(main, args)
-    assert r.exit_code == 0, r.output
+    # a file that failed makes the watch exit 1, as run does, and the last line names it
+    assert r.exit_code == 1, r.output
+    last = r.output.splitlines()[-1]
+    assert "2 file(s) handled, 1 failed: " in last and last.endswith("notes.txt"), last
     recs = lines(tmp_path / "out" / "results.jsonl")
     assert [(x["task"], x["status"]) for x in recs] == [("t0", "ok")] and recs[0]["source"].endswith("inbox/new.pdf")
     # the stray file gets a message naming IT, not the job file
@@ -130,7 +133,8 @@ def test_watch_job_with_empty_inputs_processes_dropped_file(tmp_path, tiny_vlm_d
     caplog.clear()
     with caplog.at_level(logging.INFO):
         r = CliRunner().invoke(main, args)
-    assert r.exit_code == 0 and len(lines(tmp_path / "out" / "results.jsonl")) == 1
+    assert r.exit_code == 0 and len(lines(tmp_path / "out" / "results.jsonl")) == 1  # nothing failed this time
+    assert "0 file(s) handled, 0 failed" in r.output
     assert not [m for m in caplog.records if m.levelno >= logging.ERROR]
 
 
