@@ -195,12 +195,19 @@ def _run_document(engines: Engines, job: Job, work: DocumentWork, log: ResultLog
     on_prefill = on_token = on_prompt = None
     if progress:
         prefill_bar = make_progress(None, f"prefill {ref.doc_id}", "tok", position=1, leave=False)
-        decode_bar = make_progress(sum(t.max_tokens for t in todo), f"decode {ref.doc_id}", "tok", position=2, leave=False)
-        bars = [prefill_bar, decode_bar]
-        on_prefill, on_token = prefill_bar.update, decode_bar.update
+        bars = [prefill_bar]
+        on_prefill = prefill_bar.update
 
         def on_prompt(prompt: DocumentPrompt) -> None:
             prefill_bar.reset(total=prompt.n_tokens)
+
+        def on_token(n: int = 1) -> None:
+            # The decode bar starts at the first token, so its rate and ETA
+            # count decoding only, not the prefill before it.
+            if len(bars) == 1:
+                bars.append(make_progress(sum(t.max_tokens for t in todo), f"decode {ref.doc_id}", "tok",
+                                          position=2, leave=False))
+            bars[1].update(n)
     failed = False
     ok: list[dict] = []
     try:

@@ -109,3 +109,33 @@ def test_configure_logging_is_idempotent_and_sets_level(monkeypatch):
             if getattr(h, "_tqpipe_handler", False):
                 root.removeHandler(h)
         root.setLevel(saved[1])
+
+
+def test_decode_rate_counts_from_the_first_token_not_the_prefill(clock, monkeypatch, caplog):
+    """A document's decode line reads tokens / decoding time: 121 s of prefill
+    before the first token once made it read 0.008 tok/s with a 1 h ETA."""
+    from types import SimpleNamespace
+
+    import pipeline.run.runner as runner
+
+    monkeypatch.setenv("TQPIPE_PROGRESS", "log")
+    monkeypatch.setenv("TQPIPE_PROGRESS_INTERVAL", "0")
+
+    def process_document(engines, job, ref, *, tasks, digest, on_prefill, on_token, on_prompt):
+        on_prompt(SimpleNamespace(n_tokens=5000))
+        for _ in range(5):
+            clock.t += 24.0  # a 120 s prefill
+            on_prefill(1000)
+        for _ in range(10):
+            clock.t += 0.5  # then 2 tokens/s
+            on_token(1)
+        return iter(())
+
+    monkeypatch.setattr(runner, "process_document", process_document)
+    work = SimpleNamespace(ref=SimpleNamespace(doc_id="long.pdf"), tasks=[SimpleNamespace(max_tokens=40)], digest="d")
+    with caplog.at_level(logging.INFO, logger="pipeline.run.progress"):
+        runner._run_document(None, None, work, log=None, summary=runner.RunSummary(), progress=True,
+                             originals=None)
+    decode = [m.getMessage() for m in caplog.records if m.getMessage().startswith("decode long.pdf")]
+    # 10 tokens in the 4.5 s since the first (the prefill's 120 s would read 0.08 tok/s, eta 0:06)
+    assert decode[-1].startswith("decode long.pdf 10/40 2.22 tok/s eta 0:00:14"), decode
