@@ -122,6 +122,9 @@ def apply_overrides(job: Job, ov: Overrides, *, cwd: Path | None = None) -> Job:
         flag = FLAGS.get(loc[:2]) or FLAGS.get(loc[:1]) or ("--max-tokens" if "max_tokens" in loc else None)
         where = flag or ".".join(loc)
         raise OverrideError(f"{where}: {err['msg'].removeprefix('Value error, ')}") from None
-    if ov.model is not None and not os.path.isabs(spec.model.path) and "/" not in spec.model.path:
-        raise OverrideError(f"--model: {ov.model!r} is neither a local folder nor a hub id (org/name)")
+    path = spec.model.path
+    # a built-in name is checked when loaded, as in a job file (inputs.job_file)
+    if ov.model is not None and not os.path.isabs(path) and "/" not in path and not path.startswith("builtin:"):
+        raise OverrideError(f"--model: {ov.model!r} is neither a local folder, a hub id (org/name) "
+                            f"nor a built-in model (builtin:...)")
     return dataclasses.replace(job, spec=spec)

@@ -42,13 +42,19 @@ def test_overrides_replace_job_settings_and_change_the_config_hash(tmp_path):
         (dict(kv_quant_scheme="affine", kv_bits=3), "--kv-bits: 3 is not allowed with affine"),
         (dict(kv_key_bits=7), "--kv-key-bits: 7 is not allowed"),
         (dict(kv_quant_scheme="fp16", kv_value_bits=4), "--kv-value-bits: only applies to kv_quant_scheme: turboquant"),
-        (dict(model="nonsense"), "--model: 'nonsense' is neither a local folder nor a hub id"),
+        (dict(model="nonsense"), "--model: 'nonsense' is neither a local folder, a hub id"),
     ],
 )
 def test_bad_overrides_name_the_flag(tmp_path, ov, message):
     job = load_job(make_job(tmp_path, tmp_path, docs=1))
     with pytest.raises(OverrideError, match=message.replace("(", r"\(")):
         apply_overrides(job, Overrides(**ov), cwd=tmp_path)
+
+
+@pytest.mark.parametrize("name", ["builtin:tiny-qwen2-vl", "builtin:smollm2-135m-instruct"])
+def test_model_override_takes_a_builtin_name_as_the_job_file_does(tmp_path, name):
+    job = apply_overrides(load_job(make_job(tmp_path, tmp_path, docs=1)), Overrides(model=name), cwd=tmp_path)
+    assert job.spec.model.path == name
 
 
 def test_format_without_prompt_is_refused():
