@@ -224,8 +224,12 @@ def tq_cache(n: int, kv_bits: float, seed: int = 0, split: Optional[tuple[int, i
     return SimpleNamespace(
         keys_packed=kp, keys_norms=kn, values_packed=vp, values_norms=vn,
         key_codec=kc, value_codec=vc, rotation=rot, value_rotation=rot,
-        key_mean=None, value_mean=None, packed_len=n, sink_len=0,
+        # centred as a real cache is after its first flush (zero means: any values time the same)
+        key_mean=mx.zeros((1, HKV, 1, D)), value_mean=mx.zeros((1, HKV, 1, D)),
+        key_mean_pre=None, key_scale=None, rotary=None,
+        packed_len=n, sink_len=0,
         nbytes=kp.nbytes + vp.nbytes + kn.nbytes + vn.nbytes,
+        observe_queries=lambda queries: None,  # calibrated already: the attention reads, never tunes
     )
 
 

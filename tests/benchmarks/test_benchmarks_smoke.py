@@ -232,6 +232,19 @@ def test_generation_timing_chains_layers_and_tokens():
     assert xs == [0.0, 1.0, 3.0, 4.0, 5.0, 7.0, 8.0, 9.0, 11.0]
 
 
+def test_synthetic_cache_runs_through_the_attention_entry_point():
+    """The benchmark's stand-in cache answers everything ``turboquant_attention``
+    asks of a cache (on CPU the reference route reads it): a missing member
+    would only show on the lent GPU."""
+    from benchmarks import gpu_attention
+
+    c = gpu_attention.tq_cache(64, 3.5)
+    q = mx.random.normal((1, 4 * gpu_attention.HKV, 1, gpu_attention.D)).astype(mx.float16)
+    out = gpu_attention.whole_step(gpu_attention.window_keys())(q, c)
+    mx.eval(out)
+    assert out.shape == q.shape and bool(mx.all(mx.isfinite(out)))
+
+
 # ------------------------------------------------------------ quality on real text
 def test_real_text_passages_come_from_the_stdlib_reference_manual():
     tok = CharTokenizer()
