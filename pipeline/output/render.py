@@ -36,13 +36,23 @@ def _base(job: Job, ref: DocumentRef, digest: str, task: str, key: str) -> dict:
 
 
 def quality_warnings(task: TaskSpec, prompt: DocumentPrompt, doc: Document | None, *, parse_error: str | None,
-                     random_weights: bool, json_repaired: bool = False) -> list[str]:
-    """The ``warnings`` of an answered task (codes in :data:`~pipeline.schema.record.WARNING_CODES`)."""
+                     random_weights: bool, json_repaired: bool = False, missing: list[str] | None = None,
+                     finish_reason: str | None = None) -> list[str]:
+    """The ``warnings`` of an answered task (codes in :data:`~pipeline.schema.record.WARNING_CODES`).
+
+    An answer cut off at ``max_tokens`` or a JSON answer without a requested
+    field is kept (``ok``: the model ran) but never reads as a clean result:
+    ``strict: true`` fails on it.
+    """
     warnings: list[str] = []
     if task.format == "json" and parse_error:
         add_warning(warnings, "json_parse_failed")
     if task.format == "json" and json_repaired:
         add_warning(warnings, "json_repaired")
+    if missing:
+        add_warning(warnings, "missing_fields")
+    if finish_reason == "length":
+        add_warning(warnings, "answer_truncated")
     if prompt.truncation.get("truncated"):
         add_warning(warnings, "truncated")
     if prompt.skipped_pages or (doc is not None and doc.skipped_pages):
@@ -132,7 +142,8 @@ def ok_record(
         context=context_field(job, prompt, doc, config),
         pages=prompt.pages_record(),
         warnings=quality_warnings(task, prompt, doc, parse_error=parse_error, random_weights=random_weights,
-                                  json_repaired=extra.get("json", {}).get("status") == "repaired"),
+                                  json_repaired=extra.get("json", {}).get("status") == "repaired",
+                                  missing=extra.get("missing_fields"), finish_reason=result.finish_reason),
         **extra,
     )
 

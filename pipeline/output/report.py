@@ -56,6 +56,8 @@ def warnings_of(rec: dict) -> list[str]:
         "pages_skipped": f"pages skipped: {pages.get('skipped')}",
         "random_weights": "random_weights: the model's answers are noise",
         "json_repaired": f"json_repaired: {(rec.get('json') or {}).get('repaired', '')}",
+        "missing_fields": "missing fields: " + ", ".join(rec.get("missing_fields") or []),
+        "answer_truncated": "answer hit max_tokens",
     }
     codes = list(rec.get("warnings") or [])
     out = [detail.get(c, c) for c in codes]
@@ -64,10 +66,10 @@ def warnings_of(rec: dict) -> list[str]:
     if pages.get("skipped") and "pages_skipped" not in codes:
         out.append(detail["pages_skipped"])
     out += [str(n) for n in ctx.get("notes") or []]
-    if rec.get("missing_fields"):
-        out.append("missing fields: " + ", ".join(rec["missing_fields"]))
-    if rec.get("finish_reason") == "length":
-        out.append("answer hit max_tokens")
+    if rec.get("missing_fields") and "missing_fields" not in codes:  # records written before the code
+        out.append(detail["missing_fields"])
+    if rec.get("finish_reason") == "length" and "answer_truncated" not in codes:
+        out.append(detail["answer_truncated"])
     cit = rec.get("citations") or {}
     if cit.get("unknown"):
         out.append(f"cites pages not in the context: {cit['unknown']}")

@@ -39,6 +39,8 @@ RECORD_FIELDS = (
 WARNING_CODES: dict[str, str] = {
     "json_parse_failed": "a format: json task whose answer holds no JSON object (parse_error)",
     "json_repaired": "a format: json answer that was not valid JSON as written; json-repair read it (json.repaired)",
+    "missing_fields": "a format: json answer without some of the keys the task's fields name (missing_fields)",
+    "answer_truncated": "the answer stopped at the task's max_tokens, not at its end (finish_reason: length)",
     "truncated": "the document did not fit the context; trailing pages were dropped (context.truncated)",
     "pages_skipped": "pages that could not be read were left out (pages.skipped)",
     "pages_clipped": "the page selection reached past the document's end and was clipped (context.pages_clipped)",

@@ -66,7 +66,7 @@ def test_json_record_checks_cited_pages_and_fields():
                         tokens={"document": 3, "task_prompt": 1, "generated": 1}, timing={}, cache={})
     rec = ok_record(job, ref, "sha256:ab", task, "sha256:ab/f/0123", result, prompt, None, "m")
     assert rec["parsed"]["total"]["value"] == 1250 and rec["parse_error"] is None
-    assert rec["missing_fields"] == ["author"]
+    assert rec["missing_fields"] == ["author"] and rec["warnings"] == ["missing_fields"]
     assert rec["citations"] == {"cited": [2, 40], "unknown": [40], "valid": False}
     bad = ok_record(job, ref, "sha256:ab", task, "sha256:ab/f/0123",
                      TaskResult(**{**result.__dict__, "text": '{'}), prompt, None, "m")
@@ -77,8 +77,15 @@ def test_json_record_checks_cited_pages_and_fields():
                       TaskResult(**{**result.__dict__, "text": '{"total": 12'}), prompt, None, "m")
     assert fixed["parsed"] == {"total": 12} and fixed["parse_error"] is None
     assert fixed["json"]["status"] == "repaired" and "invalid JSON" in fixed["json"]["repaired"]
-    assert fixed["warnings"] == ["json_repaired"] and bad["warnings"] == ["json_parse_failed"]
+    assert fixed["warnings"] == ["json_repaired", "missing_fields"] and bad["warnings"] == ["json_parse_failed"]
     assert "max_tokens" not in bad["parse_error"]
     cut = ok_record(job, ref, "sha256:ab", task, "sha256:ab/f/0123",
                      TaskResult(**{**result.__dict__, "text": '{', "finish_reason": "length"}), prompt, None, "m")
     assert cut["parse_error"].endswith("(the answer hit max_tokens=256 and may be cut off)")
+    assert cut["warnings"] == ["json_parse_failed", "answer_truncated"]
+    # a text answer cut off at max_tokens is kept, and says so
+    text_task = TaskSpec(name="s", prompt="p", max_tokens=2)
+    long = ok_record(job, ref, "sha256:ab", text_task, "sha256:ab/s/0123",
+                     TaskResult(**{**result.__dict__, "task": "s", "text": "A long", "finish_reason": "length"}),
+                     prompt, None, "m")
+    assert long["status"] == "ok" and long["warnings"] == ["answer_truncated"] and long["finish_reason"] == "length"
