@@ -183,7 +183,7 @@ def _allowed_keys(loc: tuple) -> str:
         model = next((a for a in _flatten(ann) if isinstance(a, type) and issubclass(a, BaseModel)), None)
         if model is None:
             return ""
-    return ", ".join(model.model_fields)
+    return ", ".join(f.alias or name for name, f in model.model_fields.items())
 
 
 def _flatten(ann: Any) -> list:

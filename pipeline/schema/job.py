@@ -35,7 +35,11 @@ JSON_DECODING = "json-constrained"
 
 
 class _Spec(BaseModel):
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    # strict: a YAML value of the wrong type is an error, not converted
+    # (``max_tokens: true`` read as 1, ``strict: "yes"`` as True); integers
+    # still stand for floats (``kv_bits: 4``).  Keys only by their written
+    # name (``schema``, never the attribute ``schema_``).
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class TaskSpec(_Spec):

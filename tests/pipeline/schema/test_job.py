@@ -77,7 +77,7 @@ engine: {kind: ray, address: auto, workers: 4, max_retries: 1, max_in_flight_per
     s = load_job(write(jobdir, text)).spec
     assert s.cache.kv_bits == 8 and s.context.pages == "1-2,-1" and s.context.dpi == 100
     assert s.engine.kind == "ray" and s.inputs[1].images == "docs/scans"
-    assert JobSpec.model_validate(s.model_dump()) == s
+    assert JobSpec.model_validate(s.model_dump(by_alias=True)) == s  # the keys as a job file writes them
 
 
 @pytest.mark.parametrize(
@@ -115,6 +115,15 @@ engine: {kind: ray, address: auto, workers: 4, max_retries: 1, max_in_flight_per
         (BASE.replace("[docs/a.pdf]", "[{pictures: x}]"), "inputs[0]", "path/glob string or {images:"),
         (BASE.replace("[docs/a.pdf]", "[5]"), "inputs[0]", "(got 5)"),
         (BASE.replace("[docs/a.pdf]", "[]"), "inputs", "at least 1"),
+        # wrong types are refused, not converted (strict): true is no count, "yes" no boolean
+        (BASE.replace("prompt: hi}", "prompt: hi, max_tokens: true}"), "tasks[0].max_tokens",
+         "must be a valid integer (got True)"),
+        (BASE + "strict: 'yes'\n", "strict", "must be a valid boolean (got 'yes')"),
+        (BASE + "context: {page_markers: 1}\n", "context.page_markers", "must be a valid boolean (got 1)"),
+        (BASE + "context: {dpi: 72.5}\n", "context.dpi", "must be a valid integer (got 72.5)"),
+        # the key is `schema`; the attribute behind it is no key
+        (BASE.replace("prompt: hi}", "prompt: hi, format: json, schema_: {}}"), "tasks[0].schema_",
+         "unknown key; allowed keys: name, prompt, max_tokens, temperature, format, fields, schema"),
     ],
 )
 def test_schema_errors_name_file_key_problem(jobdir, edit, key, fragment):
@@ -217,3 +226,10 @@ def test_validation_imports_no_model_code(jobdir):
     )
     r = subprocess.run([sys.executable, "-c", code, str(write(jobdir, BASE))], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
+
+
+def test_unknown_key_message_names_written_keys_only(jobdir):
+    p = write(jobdir, BASE.replace("prompt: hi}", "prompt: hi, colour: red}"))
+    with pytest.raises(JobFileError) as e:
+        load_job(p)
+    assert str(e.value).endswith("allowed keys: name, prompt, max_tokens, temperature, format, fields, schema")
