@@ -377,11 +377,15 @@ def status(job_file: str, pages: str | None, as_json: bool) -> None:
 def validate(job_file: str) -> None:
     """Check JOB (schema, inputs, model path, output file) without running anything."""
     from pipeline.inputs.discover import discover
-    from pipeline.output.target import check_output
+    from pipeline.output.target import check_output, unwritable
 
     job = _load(job_file)
     spec = job.spec
     refs = discover(job)
+    out = check_output(job, refs)
+    problem = unwritable(out)
+    if problem:  # what run would meet at its first append (exit 4 there too)
+        _fail(f"{job.path}: output: {shown(out)} cannot be written: {problem}", EXIT_RUN)
     cache = spec.cache
     bits = "" if cache.kv_quant_scheme == "fp16" else f" {cache.kv_bits:g} bits"
     click.echo(f"{job.path}: OK")
@@ -392,7 +396,7 @@ def validate(job_file: str) -> None:
     click.echo(f"  cache:     {cache.kv_quant_scheme}{bits}, prefill chunk {cache.prefill_chunk}")
     click.echo(f"  context:   max {spec.context.max_tokens} tokens, overflow {spec.context.overflow}, images {spec.context.images}"
                + (f", pages {spec.context.pages}" if spec.context.pages else ""))
-    click.echo(f"  output:    {check_output(job, refs)}" + (" (new)" if not job.output_path.exists() else ""))
+    click.echo(f"  output:    {out}" + (" (new)" if not job.output_path.exists() else ""))
     if spec.strict:
         click.echo("  strict:    records with warnings count as failures")
     sys.exit(EXIT_OK)

@@ -80,3 +80,23 @@ def _not_results(path: Path) -> str | None:
     if not (isinstance(first, dict) and "schema_version" in first and isinstance(first.get("key"), str)):
         return "is not a tqpipe results file (its first line is not a tqpipe record)"
     return None
+
+
+def unwritable(path: Path) -> str | None:
+    """Why the results file ``path`` (and its ``.lock`` beside it) cannot be
+    written, or None.  ``validate`` asks so that a job it passes does not stop
+    at the first append (``run`` would exit 4 there); a full disk cannot be
+    foreseen and is still met by the append itself."""
+    folder = path if path.is_dir() else path.parent
+    while not folder.exists():  # a folder the run will create: its nearest existing ancestor decides
+        folder = folder.parent
+    try:
+        if os.statvfs(folder).f_flag & os.ST_RDONLY:
+            return f"{shown(folder)} is on a read-only file system"
+    except OSError as e:
+        return f"{shown(folder)}: {e.strerror or e}"
+    if not os.access(folder, os.W_OK | os.X_OK):
+        return f"the folder {shown(folder)} is not writable"
+    if path.exists() and not os.access(path, os.W_OK):
+        return "the file is not writable"
+    return None

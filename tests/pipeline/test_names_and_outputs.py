@@ -153,3 +153,32 @@ def test_output_may_be_any_folder_new_file_or_our_results(tmp_path, one_doc, tin
     assert r.exit_code == 0 and f"output:    {shared / 'r.jsonl'}" in r.output  # the resolved path
     r = CliRunner().invoke(main, ["run", str(job), "--no-progress"])
     assert r.exit_code == 0 and "0 records" in r.output
+
+
+def test_validate_refuses_an_output_that_cannot_be_written(tmp_path, one_doc, tiny_vlm_dir, monkeypatch):
+    """What run would meet at its first append (exit 4), validate says before
+    anything runs; a read-only mount is simulated (this may run as root)."""
+    import os as real_os
+
+    import pipeline.output.target as target
+
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    job = make_job(tmp_path, tiny_vlm_dir, output=str(ro / "new" / "r.jsonl"))
+    statvfs, access = real_os.statvfs, real_os.access  # target.os is this os: keep the originals
+
+    class ReadOnly:
+        def __init__(self, st):
+            self.f_flag = st.f_flag | real_os.ST_RDONLY
+
+    monkeypatch.setattr(target.os, "statvfs", lambda p: ReadOnly(statvfs(p)) if Path(p) == ro else statvfs(p))
+    r = CliRunner().invoke(main, ["validate", str(job)])
+    assert r.exit_code == 4, r.output
+    [line] = r.output.strip().splitlines()
+    assert line == f"tqpipe: error: {job}: output: {ro / 'new' / 'r.jsonl'} cannot be written: {ro} is on a read-only file system"
+    monkeypatch.setattr(target.os, "statvfs", statvfs)
+    monkeypatch.setattr(target.os, "access", lambda p, mode: Path(p) != ro)
+    r = CliRunner().invoke(main, ["validate", str(job)])
+    assert r.exit_code == 4 and f"the folder {ro} is not writable" in r.output, r.output
+    monkeypatch.setattr(target.os, "access", access)
+    assert CliRunner().invoke(main, ["validate", str(job)]).exit_code == 0
