@@ -348,9 +348,20 @@ def status(job_file: str, pages: str | None, as_json: bool) -> None:
     from pipeline.output.results_log import read_index, summarize
     from pipeline.run.plan import WorkPlan
 
-    job = _load(job_file, pages)
+    job = _load(job_file, pages, check_inputs=False)
     index = read_index(job.output_path)
-    expected, unreadable = WorkPlan(job).expected_keys(discover(job), index[0])
+    refs = discover(job)
+    # No documents of its own (inputs: [], or an empty folder): a job tqpipe
+    # watch feeds.  Its counts are the results under the current config.
+    inbox_job = not refs
+    for i, item in enumerate(job.spec.inputs):  # a path that is gone is still the job file's error
+        raw = item if isinstance(item, str) else item.images
+        if not any(c in raw for c in "*?[") and not job.resolve(raw).exists():
+            _fail(f"{job.path}: inputs[{i}]: {str(job.resolve(raw))!r} does not exist", EXIT_USAGE)
+    if inbox_job:
+        expected, unreadable = WorkPlan(job).recorded_keys(index[0]), 0
+    else:
+        expected, unreadable = WorkPlan(job).expected_keys(refs, index[0])
     counts = summarize(job.output_path, expected, strict=job.spec.strict, index=index)
     counts["unreadable_documents"] = unreadable
     if as_json:
@@ -364,9 +375,10 @@ def status(job_file: str, pages: str | None, as_json: bool) -> None:
             extra += f"; {counts['warned']} done with warnings ({codes}){', failing under strict' if job.spec.strict else ''}"
         if counts["retryable"]:
             extra += f"; {counts['retryable']} failed retried by the next run"
+        of = "recorded; the job's inputs match no documents" if inbox_job else "document x task"
         click.echo(
             f"{job.spec.name}: done {counts['done']}, failed {counts['failed']}, pending {counts['pending']} "
-            f"(of {counts['expected']} document x task; {counts['stale']} stale keys from older configs){extra} "
+            f"(of {counts['expected']} {of}; {counts['stale']} stale keys from older configs){extra} "
             f"-> {job.output_path}"
         )
     sys.exit(EXIT_FAILED if counts["failing"] else EXIT_OK)

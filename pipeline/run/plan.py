@@ -119,6 +119,14 @@ class WorkPlan:
             return DocumentRef(source=source, kind=ref.kind, doc_id=doc_id)
         return None
 
+    def recorded_keys(self, index: KeyIndex) -> set[str]:
+        """The keys ``index`` holds under the job's current tasks and config,
+        whatever the document: what an inbox job (``inputs: []``, fed by
+        ``tqpipe watch``) has produced, since its documents are not listed
+        anywhere the job file could find them again."""
+        suffixes = {"/" + key.split("/", 1)[1] for key in task_keys(self.job, "x").values()}
+        return {k for k in index.done_keys | index.failed_keys if "/" + k.split("/", 1)[1] in suffixes}
+
     def document(self, ref: DocumentRef, log: ResultLog) -> DocumentWork:
         """What is left of ``ref`` given the results in ``log`` (hashes the file, reads no pages)."""
         tasks = list(self.job.spec.tasks)

@@ -63,6 +63,10 @@ def test_bad_job_file_exits_2_without_loading_a_model(tmp_path, monkeypatch):
     assert called == []
     r = CliRunner().invoke(main, ["run", str(tmp_path / "missing.yaml")])
     assert r.exit_code == 2 and "not found" in r.output
+    # an input that is gone is an error for status too (an empty one is a watch job's)
+    job.write_text("name: x\ninputs: [nothing/]\ntasks:\n  - {name: a, prompt: p}\noutput: o.jsonl\n")
+    r = CliRunner().invoke(main, ["status", str(job)])
+    assert r.exit_code == 2 and r.output.strip().endswith(f"inputs[0]: {str(tmp_path / 'nothing')!r} does not exist")
 
 
 def test_bad_pages_option_exits_2(tmp_path, tiny_vlm_dir):

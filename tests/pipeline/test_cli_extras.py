@@ -129,6 +129,10 @@ def test_watch_job_with_empty_inputs_processes_dropped_file(tmp_path, tiny_vlm_d
     assert not any("job.yaml" in m for m in errors), errors
     ledger = {e["path"]: e["status"] for e in lines(tmp_path / "out" / "results.jsonl.inbox.jsonl")}
     assert ledger == {"new.pdf": "ok", "notes.txt": "failed"}
+    # status reads a job without documents of its own (fed by watch) from its results
+    r = CliRunner().invoke(main, ["status", str(job)])
+    assert r.exit_code == 0, r.output
+    assert "done 1, failed 0, pending 0 (of 1 recorded; the job's inputs match no documents;" in r.output
     # reported once: a restarted watcher neither redoes the PDF nor repeats the message
     caplog.clear()
     with caplog.at_level(logging.INFO):
