@@ -230,7 +230,7 @@ class RayRun:
             "%s on Ray (%d workers): %d documents, %d records written (%d ok, %d failed), "
             "%d already done, %d worker deaths",
             self.job.spec.name, self.workers, summary.documents, summary.records_written, summary.done,
-            summary.failed, summary.skipped, self.stats.worker_deaths if self.stats else 0,
+            summary.failed_now, summary.skipped, self.stats.worker_deaths if self.stats else 0,
         )
         return summary
 

@@ -42,6 +42,7 @@ class RunSummary:
     documents: int = 0
     done: int = 0  # ok records written by this run
     failed: int = 0  # error records written by this run, plus failed keys not retried
+    failed_before: int = 0  # of ``failed``: keys earlier runs recorded as failed, not retried
     skipped: int = 0  # documents whose every task was already recorded
     records_written: int = 0
     failed_documents: list[str] = field(default_factory=list)
@@ -63,9 +64,15 @@ class RunSummary:
         self._warned(record.get("warnings") or ())
         return False
 
+    @property
+    def failed_now(self) -> int:
+        """Error records this run wrote."""
+        return self.failed - self.failed_before
+
     def count_before(self, work: DocumentWork) -> None:
         """Account for the tasks of ``work`` an earlier run already recorded."""
         self.failed += work.failed_before
+        self.failed_before += work.failed_before
         for found in work.warned_before:
             self._warned(found)
 
@@ -82,8 +89,12 @@ class RunSummary:
             codes = ", ".join(f"{c} {n}" for c, n in sorted(self.warnings.items()))
             warned = (f"; {self.warned} done with warnings{' (' + codes + ')' if codes else ''}"
                       f"{', failing under strict' if self.strict else ''}")
-        return (f"{self.documents} documents; {self.done} done, {self.failed} failed, "
-                f"{self.skipped} already done{warned}; {self.records_written} records")
+        # documents and records are counted apart: a document has one record per task
+        docs = f"{self.documents} document{'' if self.documents == 1 else 's'} ({self.skipped} already recorded)"
+        records = f"{self.records_written} records written: {self.done} ok, {self.failed_now} failed"
+        before = (f"; {self.failed_before} failed in earlier runs (--retry-failed redoes them)"
+                  if self.failed_before else "")
+        return f"{docs}; {records}{before}{warned}"
 
 
 def run_job(
@@ -140,7 +151,7 @@ def run_job(
                 docs_bar.close()
     logger.info(
         "%s: %d documents, %d records written (%d ok, %d failed), %d documents already done",
-        job.spec.name, summary.documents, summary.records_written, summary.done, summary.failed, summary.skipped,
+        job.spec.name, summary.documents, summary.records_written, summary.done, summary.failed_now, summary.skipped,
     )
     return summary
 

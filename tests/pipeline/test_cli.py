@@ -85,7 +85,7 @@ def test_run_status_validate_and_failures(tmp_path, tiny_vlm_dir):
 
     r = CliRunner().invoke(main, ["run", str(job), "--no-progress"])
     assert r.exit_code == 0, r.output
-    assert "4 done, 0 failed" in r.output
+    assert "2 documents (0 already recorded); 4 records written: 4 ok, 0 failed" in r.output
     r = CliRunner().invoke(main, ["status", str(job)])
     assert "done 4, failed 0, pending 0" in r.output
 

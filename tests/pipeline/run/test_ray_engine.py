@@ -428,7 +428,7 @@ def test_cli_engine_ray_on_a_private_cluster(smollm2_dir, tmp_path):
     proc = subprocess.run([sys.executable, "-m", "pipeline.cli", "run", str(job_path), "--engine", "ray"],
                           capture_output=True, text=True, timeout=240, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "2 documents; 2 done, 0 failed" in proc.stdout
+    assert "2 documents (0 already recorded); 2 records written: 2 ok, 0 failed" in proc.stdout
     records = read_records(load_job(job_path).output_path)
     assert_exactly_once(records, load_job(job_path))
     assert all(r["status"] == "ok" and "worker" in r for r in records)  # written by the Ray path

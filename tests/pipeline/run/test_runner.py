@@ -97,8 +97,12 @@ def test_broken_pdf_becomes_error_records_and_the_rest_succeeds(tmp_path, docs, 
     # a rerun does not retry the failure (still exit 1) unless asked to
     summary = run_job(job, progress=False)
     assert summary.records_written == 0 and summary.exit_code == 1
+    # documents and records counted apart, failures of earlier runs said as such
+    assert summary.line().startswith("3 documents (3 already recorded); 0 records written: 0 ok, 0 failed; "
+                                     "2 failed in earlier runs (--retry-failed redoes them); 4 done with warnings")
     summary = run_job(job, progress=False, retry_failed=True)
     assert summary.records_written == 2 and summary.failed == 2
+    assert summary.line().startswith("3 documents (2 already recorded); 2 records written: 0 ok, 2 failed; 4 done")
 
 
 @pytest.mark.parametrize("store", [False, True], ids=["no-store", "store"])
