@@ -213,12 +213,21 @@ class JobSpec(_Spec):
 
     @field_validator("tasks")
     @classmethod
-    def _unique_names(cls, tasks: list[TaskSpec]) -> list[TaskSpec]:
+    def _unique_names(cls, tasks: list[TaskSpec], info: ValidationInfo) -> list[TaskSpec]:
         seen: set[str] = set()
         for t in tasks:
             if t.name in seen:
                 raise ValueError(f"task name {t.name!r} is used twice; names must be unique")
             seen.add(t.name)
+        # The context holds the document, the task's prompt and its answer:
+        # an answer budget that fills it leaves no token for any document, and
+        # every document would fail for the job file's sake.
+        context = info.data.get("context")
+        if context is not None:
+            for i, t in enumerate(tasks):
+                if t.max_tokens >= context.max_tokens:
+                    raise ValueError(f"tasks[{i}].max_tokens ({t.max_tokens}) leaves no room for a document "
+                                     f"within context.max_tokens ({context.max_tokens})")
         return tasks
 
 

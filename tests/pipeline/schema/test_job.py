@@ -121,6 +121,8 @@ engine: {kind: ray, address: auto, workers: 4, max_retries: 1, max_in_flight_per
         (BASE + "strict: 'yes'\n", "strict", "must be a valid boolean (got 'yes')"),
         (BASE + "context: {page_markers: 1}\n", "context.page_markers", "must be a valid boolean (got 1)"),
         (BASE + "context: {dpi: 72.5}\n", "context.dpi", "must be a valid integer (got 72.5)"),
+        (BASE + "context: {max_tokens: 10}\n", "tasks",
+         "tasks[0].max_tokens (256) leaves no room for a document within context.max_tokens (10)"),
         # the key is `schema`; the attribute behind it is no key
         (BASE.replace("prompt: hi}", "prompt: hi, format: json, schema_: {}}"), "tasks[0].schema_",
          "unknown key; allowed keys: name, prompt, max_tokens, temperature, format, fields, schema"),
