@@ -46,6 +46,10 @@ def read_pdf(ref: DocumentRef, context: ContextSpec, digest: str, route: Scanned
 def _read_pdf(ref: DocumentRef, context: ContextSpec, digest: str, route: ScannedRoute) -> Document:
     import pymupdf
 
+    # MuPDF would also print its errors to stderr, unattributed ("MuPDF error:
+    # format error: ..." in a watcher's log, no file named); they reach the
+    # warnings buffer all the same, and from there the record or the note.
+    pymupdf.TOOLS.mupdf_display_errors(False)
     path = ref.source
     try:
         if is_text_name(path):

@@ -184,6 +184,26 @@ def test_transient_page_failure_recovers_on_retry(samples, monkeypatch):
     assert doc.skipped_pages == [{"page": 2, "error": "MemoryError: simulated"}]
 
 
+def test_a_half_copied_pdf_fails_with_its_name_and_nothing_unattributed_on_stderr(tmp_path):
+    """MuPDF's own stderr lines name no file (a watcher's log read 'MuPDF
+    error: format error: non-page object in page tree'); the error names it.
+    In a fresh process: MuPDF's printing state is per process."""
+    import subprocess
+    import sys
+
+    whole = make_text_pdf(tmp_path / "whole.pdf", ["hello world"] * 3)
+    half = tmp_path / "half.pdf"
+    half.write_bytes(whole.read_bytes()[: whole.stat().st_size // 2])
+    code = ("import sys; from pathlib import Path; from pipeline.inputs.ingest import ingest; "
+            "from pipeline.inputs.discover import DocumentRef; from pipeline.schema.job import ContextSpec\n"
+            "try:\n    ingest(DocumentRef(source=Path(sys.argv[1]), kind='pdf', doc_id='half.pdf'), ContextSpec())\n"
+            "except Exception as e:\n    print(e)")
+    r = subprocess.run([sys.executable, "-c", code, str(half)], capture_output=True, text=True, timeout=120,
+                       cwd=Path(__file__).resolve().parents[3])
+    assert r.stdout.startswith(str(half)) and "could not be read" in r.stdout, (r.stdout, r.stderr)
+    assert "MuPDF" not in r.stderr, r.stderr
+
+
 def test_partially_readable_page_is_kept_with_a_note(tmp_path):
     import pymupdf
 
