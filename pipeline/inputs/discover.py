@@ -52,6 +52,21 @@ def discover(job: Job) -> list[DocumentRef]:
     return refs
 
 
+def unsupported_files(job: Job) -> list[Path]:
+    """Visible files in the job's input folders that are neither PDFs nor
+    images, so no document: a folder input passes them over (unlike a file
+    named on its own, an error), and ``validate`` and ``run`` say which."""
+    out: list[Path] = []
+    for item in job.spec.inputs:
+        if isinstance(item, ImageSetInput):
+            continue
+        target = job.resolve(item)
+        if target.is_dir():
+            out += [c for c in sorted(target.iterdir(), key=natural_key)
+                    if _visible(c) and c.is_file() and c.suffix.lower() not in PDF_SUFFIXES | IMAGE_SUFFIXES]
+    return out
+
+
 def expand_input(job: Job, item: str | ImageSetInput) -> list[DocumentRef]:
     """The documents one ``inputs:`` entry names (possibly none).
 

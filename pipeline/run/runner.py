@@ -16,7 +16,7 @@ from typing import Callable, Sequence
 from pipeline.inference.engines import Engines
 from pipeline.inference.kv_size import describe
 from pipeline.inference.prompt import DocumentPrompt
-from pipeline.inputs.discover import DocumentRef, discover
+from pipeline.inputs.discover import DocumentRef, discover, unsupported_files
 from pipeline.output.lock import JobLock
 from pipeline.output.render import same_content_record
 from pipeline.output.target import check_output
@@ -117,7 +117,13 @@ def run_job(
     no lock.  A ``--pages`` override is already in ``job`` (see
     :func:`pipeline.schema.job.with_pages`).
     """
-    refs = list(discover(job) if refs is None else refs)
+    if refs is None:
+        refs = discover(job)
+        passed_over = unsupported_files(job)
+        if passed_over:
+            logger.info("%s: %d file(s) in input folders are neither PDF nor image, passed over: %s", job.spec.name,
+                        len(passed_over), ", ".join(shown(p) for p in passed_over[:10]))
+    refs = list(refs)
     summary = RunSummary(documents=len(refs), strict=job.spec.strict)
     if dry_run:
         from pipeline.run.dry_run import dry_run as dry_run_job

@@ -97,6 +97,17 @@ def test_run_status_validate_and_failures(tmp_path, tiny_vlm_dir):
     assert r.exit_code == 1 and (counts["done"], counts["failed"], counts["pending"]) == (4, 2, 0)
 
 
+def test_validate_names_files_a_folder_input_passes_over(tmp_path, tiny_vlm_dir):
+    job = make_job(tmp_path, tiny_vlm_dir)
+    (tmp_path / "docs" / "notes.txt").write_text("not a document")
+    (tmp_path / "docs" / "prog.exe").write_bytes(b"MZ")
+    (tmp_path / "docs" / ".~lock.a.pdf#").write_text("editor lock")  # hidden: never a document
+    r = CliRunner().invoke(main, ["validate", str(job)])
+    assert r.exit_code == 0, r.output
+    assert (f"passed over: 2 file(s) in input folders that are neither PDF nor image: "
+            f"{tmp_path / 'docs' / 'notes.txt'}, {tmp_path / 'docs' / 'prog.exe'}") in r.output
+
+
 def test_lock_held_exits_3(tmp_path, tiny_vlm_dir):
     job = make_job(tmp_path, tiny_vlm_dir)
     out = tmp_path / "out" / "results.jsonl"
