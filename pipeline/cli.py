@@ -84,6 +84,8 @@ def _load(job_path: str, pages: str | None = None, overrides: Overrides | None =
             job = apply_overrides(job, overrides)
         check_output(job)
     except JobFileError as e:
+        if e.key == "output" and overrides is not None and overrides.output is not None:
+            _fail(f"--output: {e.problem}", EXIT_USAGE)  # the flag's value, not the job file's
         hint = "" if Path(job_path).suffix.lower() in JOB_SUFFIXES else f" (tqpipe run expects {EXPECTED})"
         _fail(f"{e}{hint}", EXIT_USAGE)
     except OverrideError as e:

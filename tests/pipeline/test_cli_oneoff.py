@@ -116,3 +116,12 @@ def test_run_says_what_it_expected(tmp_path, monkeypatch, argv, message):
     (tmp_path / "notes.txt").write_text("a note\n")
     r = CliRunner().invoke(main, ["run", *argv])
     assert r.exit_code == 2 and message in r.stderr, r.stderr
+
+
+def test_a_refused_output_flag_is_named_as_the_flag(tmp_path, tiny_vlm_dir, monkeypatch):
+    job = make_job(tmp_path, tiny_vlm_dir, docs=1, tasks=1)
+    monkeypatch.chdir(tmp_path)
+    r = CliRunner().invoke(main, ["run", str(job), "--output", "docs", "--no-progress"])
+    assert r.exit_code == 2
+    [line] = r.output.strip().splitlines()
+    assert line.startswith(f"tqpipe: error: --output: {tmp_path / 'docs'}: is a folder"), line
