@@ -352,14 +352,14 @@ def status(job_file: str, pages: str | None, as_json: bool) -> None:
 
     job = _load(job_file, pages, check_inputs=False)
     index = read_index(job.output_path)
-    refs = discover(job)
-    # No documents of its own (inputs: [], or an empty folder): a job tqpipe
-    # watch feeds.  Its counts are the results under the current config.
-    inbox_job = not refs
     for i, item in enumerate(job.spec.inputs):  # a path that is gone is still the job file's error
         raw = item if isinstance(item, str) else item.images
         if not any(c in raw for c in "*?[") and not job.resolve(raw).exists():
             _fail(f"{job.path}: inputs[{i}]: {str(job.resolve(raw))!r} does not exist", EXIT_USAGE)
+    refs = discover(job)
+    # No documents of its own (inputs: [], or an empty folder): a job tqpipe
+    # watch feeds.  Its counts are the results under the current config.
+    inbox_job = not refs
     if inbox_job:
         expected, unreadable = WorkPlan(job).recorded_keys(index[0]), 0
     else:
