@@ -246,6 +246,16 @@ def _is_temp(p: Path) -> bool:
     return p.name.startswith(".") and TEMP_MARK in p.name
 
 
+# The names path_for gives: content stem, "-", key digest.  Only files so
+# named are the store's: a store folder may hold anything else (a model's
+# weights are .safetensors too), and those are never listed, evicted or removed.
+_ENTRY_NAME = re.compile(r"^[0-9a-f]{1,16}-[0-9a-f]{32}" + re.escape(SUFFIX) + "$")
+
+
+def _is_entry(p: Path) -> bool:
+    return bool(_ENTRY_NAME.match(p.name))
+
+
 class DocCacheStore:
     """Document caches under ``root``, at most ``max_bytes`` in total (LRU eviction)."""
 
@@ -267,7 +277,7 @@ class DocCacheStore:
             return []
         out = []
         for p in self.root.glob(f"{content_stem(content_hash)}-*{SUFFIX}"):
-            entry = _entry(p)
+            entry = _entry(p) if _is_entry(p) else None
             if entry is not None and entry.error is None and entry.key.get("content_hash") == content_hash:
                 out.append(entry)
         return sorted(out, key=lambda e: (-e.last_used, e.name))
@@ -344,12 +354,13 @@ class DocCacheStore:
 
     # -- listing / removal ----------------------------------------------------
     def entries(self) -> list[Entry]:
-        """Every stored entry, least recently used first (temporary files excluded)."""
+        """Every stored entry, least recently used first (temporary files and
+        files the store did not name excluded)."""
         out = []
         if not self.root.is_dir():
             return out
         for p in self.root.glob(f"*{SUFFIX}"):
-            if not _is_temp(p):
+            if _is_entry(p):
                 entry = _entry(p)
                 if entry is not None:
                     out.append(entry)

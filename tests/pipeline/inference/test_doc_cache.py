@@ -137,6 +137,26 @@ def test_remove_by_prefix(tmp_path, prefilled):
     assert len(store.entries()) == 1
 
 
+def test_files_the_store_did_not_name_are_never_listed_evicted_or_removed(tmp_path, prefilled):
+    """A store folder may hold other .safetensors (cache_store.path pointed at a
+    model folder): the store touches only entries it named itself."""
+    _, caches, ids = prefilled
+    store = DocCacheStore(tmp_path)
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(b"not ours" * 1000)
+    lookalike = tmp_path / "c0ffee-notes.safetensors"
+    lookalike.write_bytes(b"also not ours")
+    ours = store.save(key(), caches, ids, {})
+    damaged = store.path_for(key(content_hash="d1"))
+    damaged.write_bytes(b"a cache torn before its header")  # ours by name: an unusable entry
+    assert {e.path for e in store.entries()} == {ours, damaged}
+    assert store.remove(["model", "c0ffee-n"]) == []  # names the store did not give match nothing
+    assert sorted(store.prune(max_bytes=0)) == sorted([ours.stem, damaged.stem]) and store.evict(0) == []
+    assert store.entries() == [] and weights.read_bytes() == b"not ours" * 1000 and lookalike.exists()
+    store.save(key(), caches, ids, {})  # a save evicts as it stores: still only its own entries
+    assert weights.exists() and lookalike.exists()
+
+
 _WRITER = textwrap.dedent("""
     import sys, time, os
     sys.path[:0] = [{repo!r}, {tests!r}]
