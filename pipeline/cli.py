@@ -431,13 +431,27 @@ def export(job_file: str, fmt: str, output: str | None) -> None:
     from pipeline.output.export import export as write_export
 
     job = _load(job_file, check_inputs=False)
-    out = Path(output) if output else job.output_path.with_suffix(SUFFIX[fmt])
+    out = _derived_output(job, output, SUFFIX[fmt])
     try:
         n = write_export(job.output_path, fmt, out, job_name=job.spec.name)
     except ExportError as e:
         _fail(str(e), EXIT_USAGE)
+    except OSError as e:
+        _fail(f"{shown(out)}: cannot be written: {e.strerror or e}", EXIT_RUN)
     click.echo(f"{n} records -> {out}")
     sys.exit(EXIT_OK)
+
+
+def _derived_output(job, output: str | None, suffix: str) -> Path:
+    """The file ``export`` / ``report`` writes: ``-o``, else the results file
+    with ``suffix``; exit 2 where writing it would destroy something else."""
+    from pipeline.output.target import derived_output_problem
+
+    out = Path(output) if output else job.output_path.with_suffix(suffix)
+    problem = derived_output_problem(job, out, suffix)
+    if problem:
+        _fail(f"{'-o/--output: ' if output else ''}{shown(out)}: {problem}", EXIT_USAGE)
+    return out
 
 
 @main.command(epilog=EXIT_CODES_HELP)
@@ -449,11 +463,13 @@ def report(job_file: str, output: str | None) -> None:
     from pipeline.output.report import write_report
 
     job = _load(job_file, check_inputs=False)
-    out = Path(output) if output else job.output_path.with_suffix(".html")
+    out = _derived_output(job, output, ".html")
     try:
         n = write_report(job.output_path, out, job_name=job.spec.name)
     except ExportError as e:
         _fail(str(e), EXIT_USAGE)
+    except OSError as e:
+        _fail(f"{shown(out)}: cannot be written: {e.strerror or e}", EXIT_RUN)
     click.echo(f"{n} records -> {out}")
     sys.exit(EXIT_OK)
 

@@ -100,3 +100,18 @@ def unwritable(path: Path) -> str | None:
     if path.exists() and not os.access(path, os.W_OK):
         return "the file is not writable"
     return None
+
+
+def derived_output_problem(job: Job, out: Path, suffix: str) -> str | None:
+    """Why ``export`` / ``report`` must not write ``out`` (a ``suffix`` file),
+    or None.  They overwrite their target, so only a new file or one of their
+    own kind (that suffix) may be named: never the results file, the job file,
+    an input document or a folder."""
+    real = Path(os.path.realpath(out))
+    if real == Path(os.path.realpath(job.output_path)):
+        return "is the job's results file"
+    if real.is_dir():
+        return "is a folder"
+    if real.exists() and real.suffix.lower() != suffix:
+        return f"exists and is not a {suffix} file; name a new file or a {suffix} file to overwrite"
+    return None

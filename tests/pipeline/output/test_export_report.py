@@ -83,6 +83,24 @@ def test_export_and_report_commands(run_dir, tmp_path):
     assert r.exit_code == 2 and "no results yet" in r.stderr
 
 
+@pytest.mark.parametrize("cmd", [["export", "--format", "csv"], ["export", "--format", "markdown"], ["report"]])
+def test_export_and_report_never_overwrite_what_is_not_theirs(run_dir, tmp_path, cmd):
+    """They overwrite their target, so -o must not name the results, the job
+    file, an input or a folder; a place that cannot be written is exit 4."""
+    job = run_dir / "job.yaml"
+    keep = {p: p.read_bytes() for p in (run_dir / "out" / "results.jsonl", job, run_dir / "docs" / "doc0.pdf")}
+    for target, reason in [(run_dir / "out" / "results.jsonl", "is the job's results file"),
+                           (job, "exists and is not a"), (run_dir / "docs" / "doc0.pdf", "exists and is not a"),
+                           (run_dir / "docs", "is a folder")]:
+        r = CliRunner().invoke(main, [cmd[0], str(job), *cmd[1:], "-o", str(target)])
+        assert r.exit_code == 2 and f"-o/--output: {target}: {reason}" in r.stderr, (target, r.output)
+    assert all(p.read_bytes() == data for p, data in keep.items())
+    blocker = tmp_path / "note.txt"
+    blocker.write_text("a file where a folder would have to be")
+    r = CliRunner().invoke(main, [cmd[0], str(job), *cmd[1:], "-o", str(blocker / "x.out")])
+    assert r.exit_code == 4 and "cannot be written" in r.stderr and "Traceback" not in r.output, r.output
+
+
 def test_report_page_holds_plot_documents_and_warnings(run_dir):
     records = records_for_export(run_dir / "out" / "results.jsonl")
     page = render_report(records, job_name="exp", results=run_dir / "out" / "results.jsonl")
