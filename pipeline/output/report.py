@@ -18,7 +18,7 @@ from __future__ import annotations
 import html
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, Container
 
 import orjson
 
@@ -216,9 +216,10 @@ document.body.dataset.rendered = String(document.querySelectorAll("#docs tbody t
 """
 
 
-def write_report(results: Path, out: Path, *, job_name: str) -> int:
-    """Write the report for ``results`` to ``out``; return the number of records shown."""
-    records = records_for_export(results)
+def write_report(results: Path, out: Path, *, job_name: str, current: Container[str] | None = None) -> int:
+    """Write the report for ``results`` (the ``current`` keys) to ``out``;
+    return the number of records shown."""
+    records = records_for_export(results, current)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(render_report(records, job_name=job_name, results=results), encoding="utf-8")
     return len(records)

@@ -101,6 +101,32 @@ def test_export_and_report_never_overwrite_what_is_not_theirs(run_dir, tmp_path,
     assert r.exit_code == 4 and "cannot be written" in r.stderr and "Traceback" not in r.output, r.output
 
 
+def test_export_and_report_show_the_current_config_only(tmp_path, tiny_vlm_dir):
+    """After a task is edited its older records are stale (status says so):
+    exports and the report show each (document, task) once, as it stands."""
+    (tmp_path / "docs").mkdir()
+    for i in range(2):
+        make_text_pdf(tmp_path / "docs" / f"d{i}.pdf", [f"Document {i}."])
+    job = tmp_path / "job.yaml"
+    job.write_text(f"name: cur\ninputs: [docs/]\nmodel: {{path: '{tiny_vlm_dir}'}}\n"
+                   "tasks:\n  - {name: summary, prompt: 'Summarize.', max_tokens: 2}\n"
+                   "  - {name: other, prompt: 'Other?', max_tokens: 2}\noutput: out/r.jsonl\n")
+    assert CliRunner().invoke(main, ["run", str(job), "--no-progress"]).exit_code == 0
+    job.write_text(job.read_text().replace("'Summarize.'", "'Summarize briefly.'"))
+    assert CliRunner().invoke(main, ["run", str(job), "--no-progress"]).exit_code == 0
+    assert "2 stale keys" in CliRunner().invoke(main, ["status", str(job)]).output
+    r = CliRunner().invoke(main, ["export", str(job), "--format", "csv"])
+    assert r.exit_code == 0 and r.output.startswith("4 records"), r.output
+    rows = list(csv.DictReader(io.StringIO((tmp_path / "out" / "r.csv").read_text())))
+    assert sorted((x["doc_id"], x["task"]) for x in rows) == [(f"docs/d{i}.pdf", t) for i in range(2)
+                                                              for t in ("other", "summary")]
+    r = CliRunner().invoke(main, ["report", str(job)])
+    assert r.exit_code == 0 and r.output.startswith("4 records"), r.output
+    job.write_text(job.read_text().replace("'Other?'", "'Else?'").replace("'Summarize briefly.'", "'Sum up.'"))
+    r = CliRunner().invoke(main, ["export", str(job), "--format", "csv"])
+    assert r.exit_code == 2 and "no results yet for the job's current tasks and config (6 records" in r.stderr
+
+
 def test_report_page_holds_plot_documents_and_warnings(run_dir):
     records = records_for_export(run_dir / "out" / "results.jsonl")
     page = render_report(records, job_name="exp", results=run_dir / "out" / "results.jsonl")
