@@ -30,7 +30,8 @@ SUFFIX = {"markdown": ".md", "csv": ".csv", "parquet": ".parquet"}
 
 #: The fixed columns of csv/parquet exports, in order (``parsed.<key>`` columns follow).
 COLUMNS = (
-    "doc_id", "task", "status", "output", "parse_error", "json_status", "error_type", "error_message",
+    "doc_id", "task", "status", "warnings", "output", "parse_error", "json_status", "error_type", "error_message",
+    "missing_fields",
     "pages", "tokens_document", "tokens_generated", "truncated", "kv_scheme", "kv_nbytes", "kv_fp16_nbytes",
     "ingest_s", "prefill_s", "decode_s", "model", "source", "content_hash", "config_hash", "key", "created_at",
 )
@@ -70,7 +71,10 @@ def row(rec: dict) -> dict[str, Any]:
     """One flat row for a record (see :data:`COLUMNS`)."""
     out = {
         "doc_id": rec.get("doc_id"), "task": rec.get("task"), "status": rec.get("status"),
+        # the record's quality warning codes (an ok answer that may be wrong or cut off), comma-separated
+        "warnings": ",".join(rec.get("warnings") or []),
         "output": rec.get("output"), "parse_error": rec.get("parse_error"),
+        "missing_fields": ",".join(rec.get("missing_fields") or []),
         "json_status": _get(rec, "json", "status"),
         "error_type": _get(rec, "error", "type"), "error_message": _get(rec, "error", "message"),
         "pages": _cell(_get(rec, "pages", "included")),
@@ -127,8 +131,9 @@ def to_parquet(records: Iterable[dict], path: Path) -> None:
 
 
 def to_markdown(records: Iterable[dict], job_name: str) -> bytes:
-    """One section per document, one sub-section per task: the answer as text,
-    a JSON answer as a fenced block, a failure as a quoted error."""
+    """One section per document, one sub-section per task: its warning codes
+    (if any), the answer as text, a JSON answer as a fenced block, a failure as
+    a quoted error."""
     lines = [f"# {job_name}", ""]
     current = None
     for rec in records:
@@ -136,6 +141,8 @@ def to_markdown(records: Iterable[dict], job_name: str) -> bytes:
             current = rec.get("doc_id")
             lines += [f"## {current}", ""]
         lines += [f"### {rec.get('task')}", ""]
+        if rec.get("warnings"):
+            lines += [f"> warnings: {', '.join(rec['warnings'])}", ""]
         if rec.get("status") != "ok":
             err = rec.get("error") or {}
             lines += [f"> **failed** ({err.get('stage', '?')}): {err.get('type', '')}: {err.get('message', '')}", ""]

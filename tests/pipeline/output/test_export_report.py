@@ -50,6 +50,10 @@ def test_csv_has_one_row_per_record_and_parsed_columns(run_dir):
     broken = [r for r in rows if r["doc_id"] == "docs/broken.pdf"]
     assert {r["status"] for r in broken} == {"error"} and all(r["error_message"] for r in broken)
     assert all(int(r["kv_fp16_nbytes"]) > 0 for r in rows if r["status"] == "ok")
+    # each row carries the record's warning codes (the summaries stop at max_tokens: 3)
+    by_key = {r["key"]: r for r in records}
+    assert all(x["warnings"] == ",".join(by_key[x["key"]]["warnings"]) for x in rows)
+    assert all("answer_truncated" in x["warnings"].split(",") for x in rows if x["task"] == "summary" and x["status"] == "ok")
 
 
 def test_markdown_has_a_section_per_document_and_task(run_dir, tmp_path):
@@ -58,6 +62,7 @@ def test_markdown_has_a_section_per_document_and_task(run_dir, tmp_path):
     text = out.read_text()
     assert text.startswith("# exp\n") and text.count("\n## ") == 3 and text.count("\n### ") == 6
     assert "```json" in text and "> **failed** (ingest)" in text
+    assert "> warnings: " in text and "answer_truncated" in text  # what may be wrong is said beside the answer
 
 
 def test_parquet_round_trips_and_missing_pyarrow_is_a_clear_error(run_dir, tmp_path, monkeypatch):
