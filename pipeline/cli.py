@@ -533,8 +533,8 @@ def ask(file: str, prompt: str, job_file: str | None, model: str | None, max_tok
     later ones (and jobs with the same settings) load it instead.  Prints the
     answer; no results file is written.
     """
+    from pipeline.run.ask import AskUsageError, ask_job
     from pipeline.run.ask import ask as ask_document
-    from pipeline.run.ask import ask_job
     from pipeline.run.progress import configure_logging
 
     configure_logging(verbose)
@@ -542,7 +542,7 @@ def ask(file: str, prompt: str, job_file: str | None, model: str | None, max_tok
     try:
         job = ask_job(Path(file), prompt, base=base, model=model, max_tokens=max_tokens, pages=pages)
         record = ask_document(job)
-    except (JobFileError, PageRangeError) as e:
+    except (JobFileError, PageRangeError, AskUsageError) as e:
         _fail(str(e), EXIT_USAGE)
     except TqpipeError as e:
         _fail(str(e), EXIT_FAILED)

@@ -13,8 +13,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pipeline.errors import TqpipeError
+from pipeline.errors import JobFileError, TqpipeError
 from pipeline.schema.job import Job, JobSpec, TaskSpec
+
+
+class AskUsageError(TqpipeError):
+    """FILE is not one document (several, none, neither a PDF nor an image):
+    the command line's fault, not a document's or a job file's (exit 2)."""
 
 
 def ask_job(file: Path, prompt: str, *, base: Job | None = None, model: str | None = None,
@@ -41,8 +46,11 @@ def ask(job: Job) -> dict:
     from pipeline.inputs.discover import expand_input
     from pipeline.run.document import process_document
 
-    refs = expand_input(job, job.spec.inputs[0])
+    try:
+        refs = expand_input(job, job.spec.inputs[0])
+    except JobFileError as e:  # raised against job.path, which for ask is no file the user wrote
+        raise AskUsageError(e.problem) from None
     if len(refs) != 1:
-        raise TqpipeError(f"{job.spec.inputs[0]}: names {len(refs)} documents; ask takes one PDF or one image folder")
+        raise AskUsageError(f"{job.spec.inputs[0]}: names {len(refs)} documents; ask takes one PDF or one image folder")
     (record,) = process_document(Engines(job), job, refs[0])
     return record

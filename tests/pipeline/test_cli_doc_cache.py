@@ -91,6 +91,19 @@ def test_ask_plain_output_and_a_store_that_is_off(tmp_path, tiny_vlm_dir):
     assert invoke("cache", "ls", "--job", str(job)).exit_code == 2
 
 
+def test_ask_about_something_that_is_not_one_document_is_a_usage_error(tmp_path, tiny_vlm_dir):
+    """Exit 2 (the command line's fault), naming FILE, not a job file that does not exist."""
+    for i in range(2):
+        make_text_pdf(tmp_path / "two" / f"d{i}.pdf", ["Page."])
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "note.txt").write_text("not a document")
+    for target, message in [("two", "names 2 documents; ask takes one PDF or one image folder"),
+                            ("empty", "names 0 documents"), ("note.txt", "is neither a PDF nor an image")]:
+        r = invoke("ask", str(tmp_path / target), "--prompt", "Hi?", "--model", str(tiny_vlm_dir))
+        assert r.exit_code == 2 and message in r.output, (target, r.output)
+        assert "/ask:" not in r.output and str(tmp_path / target) in r.output
+
+
 def test_cache_ls_tells_apart_two_entries_of_one_document(tmp_path, tiny_vlm_dir):
     """Entries are named <content hash>-<key>: `ls` shows both parts, so two
     caches of one document (another cache setting) have distinct ids, and
