@@ -570,6 +570,8 @@ def _store(job_file: str | None, path: str | None):
     from pipeline.inference.doc_cache import DocCacheStore, store_for_job
 
     if path is not None:
+        if not Path(path).expanduser().is_dir():  # a mistyped --path would read as an empty store
+            _fail(f"--path: {path!r} is not a folder (no document-cache store there)", EXIT_USAGE)
         return DocCacheStore(path)
     if job_file is not None:
         store = store_for_job(_load(job_file, check_inputs=False))
@@ -625,6 +627,9 @@ def cache_rm(entries: tuple[str, ...], remove_all: bool, job_file: str | None, p
     store = _store(job_file, path)
     gone = store.remove([e.name for e in store.entries()] if remove_all else entries)
     click.echo(f"removed {len(gone)} entries from {store.root}", err=True)
+    unmatched = [e for e in entries if not any(g.startswith(e) for g in gone)]
+    if unmatched and not remove_all:
+        click.echo(f"no entry matches: {', '.join(unmatched)} (tqpipe cache ls lists them)", err=True)
     sys.exit(EXIT_OK if gone or remove_all else EXIT_FAILED)
 
 
