@@ -1,4 +1,6 @@
-"""Which file ``output:`` may name: a new file or an existing tqpipe results file.
+"""Which file ``output:`` may name (a new file or an existing tqpipe results
+file), whether it can be written, and which file ``export`` / ``report`` may
+overwrite (:func:`derived_output_problem`).
 
 Results are appended, so a wrong ``output:`` destroys whatever it points at:
 an input PDF gets JSON lines glued to it, the job file is corrupted.  The
