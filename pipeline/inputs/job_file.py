@@ -20,20 +20,23 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ValidationError
+from pydantic import ValidationError
 
 from pipeline.errors import JobFileError
 from pipeline.inputs.discover import expand_input
 from pipeline.schema.job import ImageSetInput, Job, JobSpec
+from pipeline.schema.reference import models_in
 
 
-def load_job(path: str | Path, *, check_inputs: bool = True) -> Job:
+def load_job(path: str | Path, *, check_inputs: bool = True, paths_exist: bool = False) -> Job:
     """Read, validate and check a job file; raise :class:`JobFileError` on any problem.
 
     ``check_inputs=False`` skips only the "every input matches something"
     check, for ``tqpipe watch``: its documents come from the inbox, so an
     empty (or not yet created) inputs folder is normal there.  Schema,
-    output and model checks still apply.
+    output and model checks still apply.  ``paths_exist`` keeps, of that
+    check, the refusal of an input path that does not exist (``status`` of a
+    job that watch feeds: an empty folder is fine, a gone one is not).
     """
     path = Path(path)
     shown = str(path)
@@ -59,7 +62,7 @@ def load_job(path: str | Path, *, check_inputs: bool = True) -> Job:
         key, problem = _first_problem(e)
         raise JobFileError(shown, key, problem) from None
     job = Job(spec=spec, path=path.resolve(), base_dir=path.resolve().parent)
-    _check_filesystem(job, shown, check_inputs=check_inputs)
+    _check_filesystem(job, shown, check_inputs=check_inputs, paths_exist=paths_exist)
     return job
 
 
@@ -68,7 +71,7 @@ def load_job(path: str | Path, *, check_inputs: bool = True) -> Job:
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
-def _check_filesystem(job: Job, shown: str, *, check_inputs: bool = True) -> None:
+def _check_filesystem(job: Job, shown: str, *, check_inputs: bool = True, paths_exist: bool = False) -> None:
     if check_inputs and not job.spec.inputs:
         raise JobFileError(shown, "inputs", "must name at least 1 file, folder or glob "
                                             "(an empty list is only for tqpipe watch)")
@@ -78,11 +81,13 @@ def _check_filesystem(job: Job, shown: str, *, check_inputs: bool = True) -> Non
             refs = expand_input(job, item)
         except JobFileError as e:
             raise JobFileError(shown, key, e.problem) from None
-        if not refs and check_inputs:
+        if not refs and (check_inputs or paths_exist):
             raw = _raw(item)
             if any(c in raw for c in "*?[") or job.resolve(raw).exists():
-                raise JobFileError(shown, key, f"{raw!r} matches no PDF or image files")
-            raise JobFileError(shown, key, f"{str(job.resolve(raw))!r} does not exist")
+                if check_inputs:
+                    raise JobFileError(shown, key, f"{raw!r} matches no PDF or image files")
+            else:
+                raise JobFileError(shown, key, f"{str(job.resolve(raw))!r} does not exist")
     out = job.output_path
     if out.is_dir():
         raise JobFileError(shown, "output", f"{job.spec.output!r} is a folder; give a .jsonl file path")
@@ -180,14 +185,8 @@ def _allowed_keys(loc: tuple) -> str:
         if field is None:
             return ""
         ann = field.annotation
-        model = next((a for a in _flatten(ann) if isinstance(a, type) and issubclass(a, BaseModel)), None)
+        model = next(iter(models_in(ann)), None)
         if model is None:
             return ""
     return ", ".join(f.alias or name for name, f in model.model_fields.items())
 
-
-def _flatten(ann: Any) -> list:
-    args = getattr(ann, "__args__", None)
-    if not args:
-        return [ann]
-    return [x for a in args for x in _flatten(a)]

@@ -213,12 +213,17 @@ class JobSpec(_Spec):
 
     @field_validator("tasks")
     @classmethod
-    def _unique_names(cls, tasks: list[TaskSpec], info: ValidationInfo) -> list[TaskSpec]:
+    def _unique_names(cls, tasks: list[TaskSpec]) -> list[TaskSpec]:
         seen: set[str] = set()
         for t in tasks:
             if t.name in seen:
                 raise ValueError(f"task name {t.name!r} is used twice; names must be unique")
             seen.add(t.name)
+        return tasks
+
+    @field_validator("tasks")
+    @classmethod
+    def _answers_leave_room(cls, tasks: list[TaskSpec], info: ValidationInfo) -> list[TaskSpec]:
         # The context holds the document, the task's prompt and its answer:
         # an answer budget that fills it leaves no token for any document, and
         # every document would fail for the job file's sake.

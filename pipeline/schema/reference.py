@@ -67,11 +67,11 @@ def _rows(model: type[BaseModel], prefix: str) -> list[tuple[str, str, str, str]
     return rows
 
 
-def _models_in(ann: Any) -> list[type[BaseModel]]:
+def models_in(ann: Any) -> list[type[BaseModel]]:
     """The pydantic models a field's annotation holds (directly, in a list or a union)."""
     if isinstance(ann, type) and issubclass(ann, BaseModel):
         return [ann]
-    return [m for a in typing.get_args(ann) for m in _models_in(a)]
+    return [m for a in typing.get_args(ann) for m in models_in(a)]
 
 
 def _sections() -> list[tuple[str, type[BaseModel]]]:
@@ -82,7 +82,7 @@ def _sections() -> list[tuple[str, type[BaseModel]]]:
     for name, field in JobSpec.model_fields.items():
         key = field.alias or name
         listed = typing.get_origin(field.annotation) is list
-        out += [(f"{key}[]" if listed else key, m) for m in _models_in(field.annotation)]
+        out += [(f"{key}[]" if listed else key, m) for m in models_in(field.annotation)]
     return out
 
 
