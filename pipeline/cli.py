@@ -429,7 +429,7 @@ def export(job_file: str, fmt: str, output: str | None) -> None:
     job = _load(job_file, check_inputs=False)
     out = _derived_output(job, output, SUFFIX[fmt])
     try:
-        n = write_export(job.output_path, fmt, out, job_name=job.spec.name, current=_current_keys(job))
+        n = write_export(job.output_path, fmt, out, job_name=job.spec.name, current=_is_current(job))
     except ExportError as e:
         _fail(str(e), EXIT_USAGE)
     except OSError as e:
@@ -438,13 +438,12 @@ def export(job_file: str, fmt: str, output: str | None) -> None:
     sys.exit(EXIT_OK)
 
 
-def _current_keys(job) -> set[str]:
-    """The results file's keys under the job's present tasks and config (what
+def _is_current(job):
+    """Whether a record key is of the job's present tasks and config (what
     status counts as done or failed; the rest is stale)."""
-    from pipeline.output.results_log import read_index
     from pipeline.run.plan import WorkPlan
 
-    return WorkPlan(job).recorded_keys(read_index(job.output_path)[0])
+    return WorkPlan(job).is_current
 
 
 def _derived_output(job, output: str | None, suffix: str) -> Path:
@@ -470,7 +469,7 @@ def report(job_file: str, output: str | None) -> None:
     job = _load(job_file, check_inputs=False)
     out = _derived_output(job, output, ".html")
     try:
-        n = write_report(job.output_path, out, job_name=job.spec.name, current=_current_keys(job))
+        n = write_report(job.output_path, out, job_name=job.spec.name, current=_is_current(job))
     except ExportError as e:
         _fail(str(e), EXIT_USAGE)
     except OSError as e:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import csv
 import io
 from pathlib import Path
-from typing import Any, Container, Iterable
+from typing import Any, Callable, Iterable
 
 import orjson
 
@@ -41,13 +41,13 @@ class ExportError(TqpipeError):
     """An export that cannot be written (no records, pyarrow missing)."""
 
 
-def records_for_export(results: Path, current: Container[str] | None = None) -> list[dict]:
+def records_for_export(results: Path, current: Callable[[str], bool] | None = None) -> list[dict]:
     """The counting record of each key, ordered by document then task;
-    with ``current`` (the keys of the job's present tasks and config), only
-    those: a record of an edited task or an older config is stale, and would
-    otherwise show a (document, task) twice."""
+    with ``current`` (true for the keys of the job's present tasks and
+    config), only those: a record of an edited task or an older config is
+    stale, and would otherwise show a (document, task) twice."""
     latest = latest_records(results)
-    records = [r for k, r in latest.items() if current is None or k in current]
+    records = [r for k, r in latest.items() if current is None or current(k)]
     if not records:
         stale = f" ({len(latest)} records of older tasks or configs)" if latest else ""
         raise ExportError(f"{results}: no results yet for the job's current tasks and config{stale} (run the job first)")
@@ -155,7 +155,7 @@ def to_markdown(records: Iterable[dict], job_name: str) -> bytes:
     return "\n".join(lines).encode("utf-8")
 
 
-def export(results: Path, fmt: str, out: Path, *, job_name: str, current: Container[str] | None = None) -> int:
+def export(results: Path, fmt: str, out: Path, *, job_name: str, current: Callable[[str], bool] | None = None) -> int:
     """Write ``results`` (the ``current`` keys, see :func:`records_for_export`)
     as ``fmt`` to ``out``; return the number of records exported."""
     if fmt not in FORMATS:

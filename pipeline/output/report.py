@@ -18,7 +18,7 @@ from __future__ import annotations
 import html
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, Container
+from typing import Any, Callable
 
 import orjson
 
@@ -216,7 +216,7 @@ document.body.dataset.rendered = String(document.querySelectorAll("#docs tbody t
 """
 
 
-def write_report(results: Path, out: Path, *, job_name: str, current: Container[str] | None = None) -> int:
+def write_report(results: Path, out: Path, *, job_name: str, current: Callable[[str], bool] | None = None) -> int:
     """Write the report for ``results`` (the ``current`` keys) to ``out``;
     return the number of records shown."""
     records = records_for_export(results, current)

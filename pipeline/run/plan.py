@@ -91,6 +91,7 @@ class WorkPlan:
         self.job = job
         self.retry_failed = retry_failed
         self._first: dict[str, DocumentRef] = {}
+        self._suffixes: set[str] | None = None  # "<task>/<config hash>" of the present tasks (is_current)
 
     def _keys(self, ref: DocumentRef, index: KeyIndex | None
               ) -> tuple[str | None, dict[str, str], DocumentRef | None, dict[str, str]]:
@@ -119,13 +120,19 @@ class WorkPlan:
             return DocumentRef(source=source, kind=ref.kind, doc_id=doc_id)
         return None
 
+    def is_current(self, key: str) -> bool:
+        """Whether a record key belongs to the job's present tasks and config
+        (its ``<task>/<config hash>`` part), whatever the document."""
+        if self._suffixes is None:
+            self._suffixes = {k.split("/", 1)[1] for k in task_keys(self.job, "x").values()}
+        return key.split("/", 1)[-1] in self._suffixes
+
     def recorded_keys(self, index: KeyIndex) -> set[str]:
-        """The keys ``index`` holds under the job's current tasks and config,
-        whatever the document: what an inbox job (``inputs: []``, fed by
-        ``tqpipe watch``) has produced, since its documents are not listed
-        anywhere the job file could find them again."""
-        suffixes = {"/" + key.split("/", 1)[1] for key in task_keys(self.job, "x").values()}
-        return {k for k in index.done_keys | index.failed_keys if "/" + k.split("/", 1)[1] in suffixes}
+        """The keys ``index`` holds under the job's current tasks and config:
+        what an inbox job (``inputs: []``, fed by ``tqpipe watch``) has
+        produced, since its documents are not listed anywhere the job file
+        could find them again."""
+        return {k for k in index.done_keys | index.failed_keys if self.is_current(k)}
 
     def document(self, ref: DocumentRef, log: ResultLog) -> DocumentWork:
         """What is left of ``ref`` given the results in ``log`` (hashes the file, reads no pages)."""
