@@ -359,7 +359,7 @@ def status(job_file: str, pages: str | None, as_json: bool) -> None:
     if inbox_job:
         expected, unreadable = WorkPlan(job).recorded_keys(index[0]), 0
     else:
-        expected, unreadable = WorkPlan(job).expected_keys(refs, index[0])
+        expected, unreadable = WorkPlan(job, documents=refs).expected_keys(refs, index[0])
     counts = summarize(job.output_path, expected, strict=job.spec.strict, index=index)
     counts["unreadable_documents"] = unreadable
     if as_json:

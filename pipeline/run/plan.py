@@ -83,13 +83,19 @@ class WorkPlan:
     name's keys ``<hash>/<task>/<config>``, the second name's
     ``<hash>@<name tag>/<task>/<config>``.  The first name is the one the
     results file already holds that content under, if that file still
-    exists (so renaming a file reruns nothing), else the first in discovery
-    order; one plan per run (or per ``status``) remembers that order.
+    exists and is one of the job's ``documents`` (so renaming a file, or
+    copying a project folder with its results, reruns nothing and leaves
+    no task waiting on a document the run never processes), else the first
+    in discovery order; one plan per run (or per ``status``) remembers that
+    order.  ``documents``: the job's discovered set; None (the files
+    ``tqpipe watch`` hands over one arrival at a time, whose other names
+    are earlier arrivals): any existing file counts.
     """
 
-    def __init__(self, job: Job, *, retry_failed: bool = False):
+    def __init__(self, job: Job, *, retry_failed: bool = False, documents: Iterable[DocumentRef] | None = None):
         self.job = job
         self.retry_failed = retry_failed
+        self._documents = None if documents is None else {os.fsencode(r.source) for r in documents}
         self._first: dict[str, DocumentRef] = {}
         self._suffixes: set[str] | None = None  # "<task>/<config hash>" of the present tasks (is_current)
 
@@ -106,15 +112,18 @@ class WorkPlan:
         return digest, task_keys(self.job, f"{digest}@{name_tag(ref)}"), first, keys
 
     def _recorded_under(self, ref: DocumentRef, keys: dict[str, str], index: KeyIndex | None) -> DocumentRef | None:
-        """The other document the results already hold this content under, if it
-        still exists (a renamed file's old name does not: then it is ours)."""
+        """The other document of the job the results already hold this content
+        under, if it still exists (a renamed file's old name does not, the
+        original of a copied project is not in the run: then it is ours)."""
         if index is None:
             return None
         for key in keys.values():
             source = index.source(key)
             if source is None:
                 continue
-            if os.fsencode(source) == os.fsencode(ref.source) or not source.exists():
+            name = os.fsencode(source)
+            if name == os.fsencode(ref.source) or not source.exists() or (
+                    self._documents is not None and name not in self._documents):
                 return None
             doc_id = Path(os.path.relpath(source, self.job.base_dir)).as_posix()
             return DocumentRef(source=source, kind=ref.kind, doc_id=doc_id)

@@ -282,7 +282,7 @@ class RayRun:
         by the same work plan as the local runner."""
         from pipeline.run.plan import WorkPlan
 
-        plan = WorkPlan(self.job, retry_failed=self.retry_failed)
+        plan = WorkPlan(self.job, retry_failed=self.retry_failed, documents=refs if self.refs is None else None)
         for ref in refs:
             work = plan.document(ref, log)
             summary.count_before(work)

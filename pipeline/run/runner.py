@@ -117,7 +117,8 @@ def run_job(
     no lock.  A ``--pages`` override is already in ``job`` (see
     :func:`pipeline.schema.job.with_pages`).
     """
-    if refs is None:
+    discovered = refs is None  # the job's whole document set: a recorded name outside it is not a first name
+    if discovered:
         refs = discover(job)
         passed_over = unsupported_files(job)
         if passed_over:
@@ -135,23 +136,32 @@ def run_job(
 
     check_output(job, refs)  # never append to an input, the job file or a foreign file
     engines = engines or Engines(job)
-    plan = WorkPlan(job, retry_failed=retry_failed)
+    plan = WorkPlan(job, retry_failed=retry_failed, documents=refs if discovered else None)
     with JobLock(job.output_path, job=job.spec.name), ResultLog(job.output_path).open() as log:
         docs_bar = make_progress(len(refs), "documents", "doc", position=0) if progress else None
+
+        def advance() -> None:
+            if docs_bar is not None:
+                docs_bar.update(1)
+                docs_bar.set_postfix(failed=len(summary.failed_documents))
+
         try:
             originals = SameContent(log)
+            second_names = []  # copied once every first name of the run is recorded (it may come later)
             for ref in refs:
                 work = plan.document(ref, log)
                 summary.count_before(work)  # failures from earlier runs still count for the exit code
                 if not work.tasks:
                     summary.skipped += 1
                 elif work.same_as is not None:
-                    originals.write(job, work, summary)
+                    second_names.append(work)
+                    continue
                 else:
                     _run_document(engines, job, work, log, summary, progress, originals)
-                if docs_bar is not None:
-                    docs_bar.update(1)
-                    docs_bar.set_postfix(failed=len(summary.failed_documents))
+                advance()
+            for work in second_names:
+                originals.write(job, work, summary)
+                advance()
         finally:
             if docs_bar is not None:
                 docs_bar.close()
@@ -165,8 +175,9 @@ def run_job(
 class SameContent:
     """Second names of one content: their records are copies of the first
     name's (:func:`~pipeline.output.render.same_content_record`).  The first
-    name comes earlier in discovery order, so its records are in the log;
-    those of this run are kept here, older ones read back from the file."""
+    name is a document of the same run, copied from once the run's first
+    names are done, so its records are in the log; those of this run are
+    kept here, older ones read back from the file."""
 
     def __init__(self, log: ResultLog):
         self.log = log
@@ -189,7 +200,7 @@ class SameContent:
         failed = False
         for task in work.tasks:
             original = self.original(work.original_keys[task.name])
-            if original is None:  # the first name's task is not recorded (it was interrupted): next run
+            if original is None:  # the first name's task is not recorded (the run was interrupted): next run
                 logger.warning("%s [%s]: same content as %s, which has no record yet; left pending",
                                shown(work.ref.doc_id), task.name, shown(work.same_as.doc_id))
                 continue

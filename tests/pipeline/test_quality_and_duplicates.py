@@ -124,3 +124,46 @@ def test_identical_bytes_get_a_record_per_name_from_one_prefill(tmp_path, tiny_v
     again = Engines(job)
     summary = run_job(job, engines=again, progress=False)
     assert summary.records_written == 0 and again.loads == 0
+
+
+def add_task(job_path: Path) -> None:
+    text = job_path.read_text()
+    job_path.write_text(text.replace("output:", "  - {name: extra, prompt: 'Say more.', max_tokens: 3}\noutput:"))
+
+
+def test_a_copied_project_owns_its_documents(tmp_path, tiny_vlm_dir):
+    """The results of a copied project name the original's files, which still
+    exist: they are not this run's documents, so the copy's files keep their
+    keys, and a task added in the copy is run, not left waiting on them."""
+    first = tmp_path / "p1"
+    first.mkdir()
+    run_job(load_job(make_job(first, tiny_vlm_dir)), progress=False)
+    copy = tmp_path / "p2"
+    shutil.copytree(first, copy)
+    add_task(copy / "job.yaml")
+    job = load_job(copy / "job.yaml")
+    summary = run_job(job, progress=False)
+    assert summary.records_written == 2 and summary.skipped == 0 and summary.exit_code == 0
+    new = lines(job.output_path)[4:]
+    assert {(x["doc_id"], x["task"]) for x in new} == {("docs/a.pdf", "extra"), ("docs/b.pdf", "extra")}
+    assert all("same_content_as" not in x and x["source"].startswith(str(copy)) for x in new)
+    r = CliRunner().invoke(main, ["status", str(copy / "job.yaml")])
+    assert r.exit_code == 0 and "done 6, failed 0, pending 0" in r.output, r.output
+
+
+def test_a_second_name_before_its_recorded_first_name_is_done_in_one_run(tmp_path, tiny_vlm_dir):
+    """A copy that sorts before the name its content is recorded under waits
+    for that name's new task within the same run, not for the next run."""
+    job_path = make_job(tmp_path, tiny_vlm_dir)
+    run_job(load_job(job_path), progress=False)
+    docs = tmp_path / "docs"
+    shutil.copy(docs / "b.pdf", docs / "0 copy of b.pdf")
+    add_task(job_path)
+    job = load_job(job_path)
+    summary = run_job(job, progress=False)
+    assert summary.records_written == 5 and summary.exit_code == 0  # 2 new tasks, 3 copies
+    copies = [x for x in lines(job.output_path) if x["doc_id"] == "docs/0 copy of b.pdf"]
+    assert sorted(x["task"] for x in copies) == ["extra", "fields", "summary"]
+    assert all(x["same_content_as"] == "docs/b.pdf" for x in copies)
+    r = CliRunner().invoke(main, ["status", str(job_path)])
+    assert r.exit_code == 0 and "done 9, failed 0, pending 0" in r.output, r.output
