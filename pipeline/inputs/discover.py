@@ -157,8 +157,8 @@ def content_hash(ref: DocumentRef) -> str:
     files = ref.members if ref.kind == "images" else (ref.source,)
     for f in files:
         try:
-            if ref.kind == "images":
-                h.update(f"{f.name}\0{f.stat().st_size}\0".encode())
+            if ref.kind == "images":  # the name's own bytes: not every name is UTF-8 (same hash where it is)
+                h.update(os.fsencode(f.name) + f"\0{f.stat().st_size}\0".encode())
             with open(f, "rb") as fh:
                 while block := fh.read(1 << 20):
                     h.update(block)

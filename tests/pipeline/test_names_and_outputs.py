@@ -182,3 +182,27 @@ def test_validate_refuses_an_output_that_cannot_be_written(tmp_path, one_doc, ti
     assert r.exit_code == 4 and f"the folder {ro} is not writable" in r.output, r.output
     monkeypatch.setattr(target.os, "access", access)
     assert CliRunner().invoke(main, ["validate", str(job)]).exit_code == 0
+
+
+def test_an_image_set_with_an_undecodable_member_name_is_read(tmp_path, tiny_vlm_dir):
+    """Image-set members are hashed by their name's bytes: a Latin-1 name no
+    longer stops run and status with a UnicodeEncodeError, and a UTF-8 name
+    hashes as it always did (records already written keep their keys)."""
+    import hashlib
+
+    from pipeline.inputs.discover import DocumentRef, content_hash
+    from pipeline.inputs.samples import make_image_set
+
+    folder = make_image_set(tmp_path / "docs" / "scans", {"p1.png": "Page one.", "p2.png": "Page two."})
+    os.rename(folder / "p2.png", folder / os.fsdecode(b"p\xe9.png"))
+    job = make_job(tmp_path, tiny_vlm_dir)
+    r = CliRunner().invoke(main, ["run", str(job)])
+    assert r.exit_code == 0, r.output
+    (rec,) = lines(tmp_path / "out" / "results.jsonl")
+    assert rec["status"] == "ok" and rec["doc_id"] == "docs/scans"
+    r = CliRunner().invoke(main, ["status", str(job)])
+    assert r.exit_code == 0 and "done 1, failed 0, pending 0" in r.output, r.output
+
+    good = folder / "p1.png"
+    expected = hashlib.sha256(f"{good.name}\0{good.stat().st_size}\0".encode() + good.read_bytes()).hexdigest()
+    assert content_hash(DocumentRef(source=folder, kind="images", doc_id="x", members=(good,))) == "sha256:" + expected
