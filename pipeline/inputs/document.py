@@ -64,6 +64,9 @@ class Document:
     skipped_pages: list[dict] = field(default_factory=list)  # {"page": n, "error": "..."}
     notes: list[str] = field(default_factory=list)
     pages_clipped: str | None = None  # what of context.pages lay past the end, if anything
+    # pages that failed for want of memory or I/O, not for their content: a
+    # document failing on them is worth a plain rerun (IngestError.transient)
+    transient_skips: int = field(default=0, compare=False)
 
     def text(self, markers: bool = True) -> str:
         """All page texts, each after a ``[Page N]`` marker (numbers from the original file)."""
@@ -127,9 +130,11 @@ def _with_retries(read, number: int, context: ContextSpec, doc: Document) -> Pag
             page, notes = read()
         except Exception as e:  # any failure of one page must not take down the document
             error = f"{type(e).__name__}: {e}"
+            transient = isinstance(e, (MemoryError, OSError))
             continue
         doc.notes.extend(notes)
         return page
+    doc.transient_skips += transient
     doc.skipped_pages.append({"page": number, "error": error})
     doc.notes.append(f"page {number}: skipped after {1 + context.page_retries} attempt(s): {error}")
     return None
@@ -145,4 +150,5 @@ def _check_failures(doc: Document, selected: int, context: ContextSpec) -> None:
             f"{failed} of {selected} selected pages could not be read (pages {listed}{more}; "
             f"limit context.max_failed_page_fraction={context.max_failed_page_fraction:g}); "
             f"first error: {doc.skipped_pages[0]['error']}",
+            transient=doc.transient_skips > 0,
         )

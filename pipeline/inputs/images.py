@@ -29,9 +29,27 @@ def _read_image(path: Path, number: int, route: ScannedRoute) -> tuple[Page, lis
 
     with Image.open(path) as im:
         im.load()  # decode now, so a truncated file fails here and not in the model
-        image = im.convert("RGB")
+        image = to_rgb(im)
     if route == "ocr":
         text = ocr_image(image)
         notes = [] if text else [f"page {number}: OCR found no text on {path.name}"]
         return Page(number=number, text=text, image=None, scanned=True, via="ocr"), notes
     return Page(number=number, text="", image=image, scanned=True, via="image"), []
+
+
+def to_rgb(im: "Image.Image") -> "Image.Image":
+    """``im`` as 8-bit RGB.  Pillow's ``convert`` clips 16- and 32-bit
+    grayscale (scanner output, ``I;16`` PNG / TIFF) at 255, which turns a
+    whole page white; those are scaled by their range instead: 65535 for
+    16-bit modes; for 32-bit integer or float data the smallest of 255,
+    65535 and the image's own maximum that holds its values."""
+    import numpy as np
+    from PIL import Image
+
+    if not (im.mode.startswith("I;16") or im.mode in ("I", "F")):
+        return im.convert("RGB")
+    a = np.asarray(im, dtype=np.float64)
+    peak = float(a.max(initial=0.0))
+    top = 65535.0 if im.mode.startswith("I;16") else 255.0 if peak <= 255 else 65535.0 if peak <= 65535 else peak
+    a = np.clip(a * (255.0 / top) + 0.5, 0, 255).astype(np.uint8)
+    return Image.fromarray(a, "L").convert("RGB")

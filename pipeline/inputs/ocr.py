@@ -64,7 +64,9 @@ def ocr_image(image: "PIL.Image.Image") -> str:
     """The text on ``image``, one line per text line, top to bottom; ``""`` if none."""
     import numpy as np
 
-    pixels = np.asarray(image.convert("RGB"))
+    from pipeline.inputs.images import to_rgb
+
+    pixels = np.asarray(to_rgb(image))
     with _LOCK:
         result = _engine()(pixels)
     if result.txts is None or result.boxes is None:

@@ -28,6 +28,12 @@ from pipeline.schema.paths import is_text_name
 #: scanned pages often carry a stray OCR'd page number or header.
 SCANNED_MAX_CHARS = 25
 
+#: Most pixels a page is rendered at: a poster-sized page (or a malformed
+#: MediaBox of hundreds of inches) at OCR resolution would take gigabytes.
+#: 25 MP holds an A1 sheet at 150 dpi, about 75 MB as RGB; larger pages are
+#: rendered at the resolution that fits, with a note.
+MAX_RENDER_PIXELS = 25_000_000
+
 # MuPDF keeps one process-wide warning buffer and pymupdf is not thread-safe:
 # one PDF is read at a time per process, so each page's warnings belong to it.
 _MUPDF_LOCK = threading.RLock()
@@ -67,6 +73,18 @@ def _read_pdf(ref: DocumentRef, context: ContextSpec, digest: str, route: Scanne
         return read_pages(ref, digest, count, context, lambda n: _read_pdf_page(pdf, n, context, route))
 
 
+def _render_dpi(page, dpi: int, number: int, notes: list[str]) -> int:
+    """``dpi``, or the highest one at which the page stays within
+    :data:`MAX_RENDER_PIXELS` (noted)."""
+    inches = (page.rect.width / 72.0) * (page.rect.height / 72.0)
+    if inches * dpi * dpi <= MAX_RENDER_PIXELS:
+        return dpi
+    fitted = max(1, int((MAX_RENDER_PIXELS / inches) ** 0.5))
+    notes.append(f"page {number}: {page.rect.width / 72:.0f} x {page.rect.height / 72:.0f} in, "
+                 f"rendered at {fitted} dpi instead of {dpi} to stay within {MAX_RENDER_PIXELS // 10**6} MP")
+    return fitted
+
+
 def _read_pdf_page(pdf, number: int, context: ContextSpec, route: ScannedRoute) -> tuple[Page, list[str]]:
     """One page: text, scanned flag, and an image if the job wants one.
 
@@ -85,10 +103,10 @@ def _read_pdf_page(pdf, number: int, context: ContextSpec, route: ScannedRoute) 
         scanned = stripped == 0 or (stripped < SCANNED_MAX_CHARS and bool(page.get_images(full=False)))
         image, ocr_input = None, None
         if scanned and route == "ocr":
-            pix = page.get_pixmap(dpi=max(context.dpi, OCR_DPI), alpha=False)
+            pix = page.get_pixmap(dpi=_render_dpi(page, max(context.dpi, OCR_DPI), number, notes), alpha=False)
             ocr_input = Image.frombytes("RGB", (pix.width, pix.height), pix.samples)
         elif context.images == "always" or (scanned and route == "image"):
-            pix = page.get_pixmap(dpi=context.dpi, alpha=False)
+            pix = page.get_pixmap(dpi=_render_dpi(page, context.dpi, number, notes), alpha=False)
             image = Image.frombytes("RGB", (pix.width, pix.height), pix.samples)
         problems = pymupdf.TOOLS.mupdf_warnings(reset=True).strip()
     if problems:

@@ -158,7 +158,7 @@ def test_too_many_failed_pages_fail_the_document(tmp_path):
     with pytest.raises(IngestError) as e:
         ingest(pdf_ref(path), ContextSpec())  # 2/5 = 0.4 > 0.25
     assert str(e.value).startswith(str(path)) and "2 of 5 selected pages" in str(e.value)
-    assert "pages 2, 4" in str(e.value)
+    assert "pages 2, 4" in str(e.value) and not e.value.transient  # the pages themselves are broken
     doc = ingest(pdf_ref(path), ContextSpec(max_failed_page_fraction=0.5))
     assert [p.number for p in doc.pages] == [1, 3, 5]
     # the fraction counts SELECTED pages: page 2 alone is 100% failed
@@ -182,6 +182,19 @@ def test_transient_page_failure_recovers_on_retry(samples, monkeypatch):
     failures[2] = 1
     doc = ingest(pdf_ref(samples / "report.pdf"), ContextSpec(page_retries=0))
     assert doc.skipped_pages == [{"page": 2, "error": "MemoryError: simulated"}]
+
+
+@pytest.mark.parametrize("error", [MemoryError("simulated"), OSError(5, "Input/output error")])
+def test_a_document_failing_for_memory_or_io_is_transient(samples, monkeypatch, error):
+    """Out of memory or an I/O error while reading its pages says nothing of the
+    document: its error record is transient, so a plain rerun retries it."""
+    def failing(pdf, n, context, *route):
+        raise error
+
+    monkeypatch.setattr(pdf_mod, "_read_pdf_page", failing)
+    with pytest.raises(IngestError) as e:
+        ingest(pdf_ref(samples / "report.pdf"), ContextSpec(page_retries=0))
+    assert e.value.transient and "4 of 4 selected pages" in str(e.value)
 
 
 def test_a_half_copied_pdf_fails_with_its_name_and_nothing_unattributed_on_stderr(tmp_path):
@@ -229,6 +242,26 @@ def test_corrupt_image_in_set(tmp_path):
         ingest(ref, ContextSpec())
 
 
+def test_16_bit_grayscale_scans_keep_their_contrast(tmp_path):
+    """Pillow's convert("RGB") clips I;16 at 255: a 16-bit scan became a white page."""
+    import numpy as np
+
+    from pipeline.inputs.images import to_rgb
+
+    ramp = np.tile(np.linspace(0, 65535, 256), (64, 1)).astype(np.uint16)  # dark to light, left to right
+    (tmp_path / "s").mkdir()
+    Image.fromarray(ramp).save(tmp_path / "s" / "p1.png")
+    (ref,) = discover(job_in(tmp_path, "[{images: s}]"))
+    page = ingest(ref, ContextSpec()).pages[0]
+    px = np.asarray(page.image)
+    assert px.shape == (64, 256, 3) and px[0, 0, 0] == 0 and px[0, -1, 0] == 255
+    assert abs(px.mean() - 127.5) < 1
+    wide = Image.fromarray(np.array([[0, 100, 255]], np.int32), "I")  # 8-bit values in a 32-bit mode
+    assert np.asarray(to_rgb(wide))[0, :, 0].tolist() == [0, 100, 255]
+    floats = Image.fromarray(np.array([[0.0, 0.5, 1.0]], np.float32), "F")
+    assert np.asarray(to_rgb(floats))[0, :, 0].tolist() == [0, 1, 1]  # 0-1 floats: held within 0-255, as they are
+
+
 # -- speed ------------------------------------------------------------------
 
 
@@ -272,3 +305,19 @@ def test_concurrent_ingest_from_threads(samples, tmp_path):
         expected = [1, 2, 4, 5] if ref.source == broken else [1, 2, 3, 4]
         assert [p.number for p in doc.pages] == expected
         assert bool(doc.skipped_pages) == (ref.source == broken)
+
+
+def test_a_poster_sized_page_is_rendered_within_the_pixel_cap(tmp_path):
+    """A 100 x 100 inch page at 72 dpi would be 52 MP (and 225 MP at the OCR
+    resolution): it is rendered at the dpi that fits, and the record says so."""
+    import pymupdf
+
+    pdf = pymupdf.open()
+    pdf.new_page(width=7200, height=7200)
+    pdf.new_page(width=612, height=792)
+    pdf.save(tmp_path / "poster.pdf")
+    doc = ingest(pdf_ref(tmp_path / "poster.pdf"), ContextSpec(images="always", dpi=72))
+    big, letter = doc.pages[0].image, doc.pages[1].image
+    assert big.width * big.height <= pdf_mod.MAX_RENDER_PIXELS and big.width == 50 * 100
+    assert letter.size == (612, 792)  # a normal page keeps the job's dpi
+    assert doc.notes == ["page 1: 100 x 100 in, rendered at 50 dpi instead of 72 to stay within 25 MP"]
