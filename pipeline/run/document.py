@@ -153,6 +153,8 @@ def reuse_stored(engines: Engines, job: Job, ref: DocumentRef, digest: str,
     for entry in store.candidates(digest):
         if not entry.info.get("reusable"):
             continue
+        if entry.info.get("needs_images") and not reads_images:
+            continue  # made by a model that read page images: never this job's (no such model is loaded)
         t_model = time.perf_counter()
         engine = engines.get(bool(entry.info.get("needs_images")))
         t0 += time.perf_counter() - t_model  # a model load is no part of the lookup (nor of a reading)

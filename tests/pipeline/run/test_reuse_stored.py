@@ -144,3 +144,31 @@ def test_an_entry_whose_stored_prompt_is_unusable_is_dropped_and_the_document_re
     (rec,) = run(write_job(folder, tiny_vlm_dir, [("a", 4), ("b", 4)]))[1:]
     assert rec["status"] == "ok" and rec["timing"]["ingest_s"] > 0 and rec["cache"]["doc_cache"]["hit"] is False
     assert "its stored prompt is unusable" in caplog.text
+
+
+def test_an_entry_with_page_images_is_no_candidate_for_a_job_whose_model_reads_none(tmp_path, monkeypatch):
+    """A default-model job (text only: scans go through OCR) must not load a
+    vision model for an entry another model stored with page images: that
+    load fails (the built-in default reads no images) and stopped the run."""
+    from types import SimpleNamespace
+
+    from pipeline.inputs.job_file import load_job
+    from pipeline.run import document as run_document
+
+    job_path = tmp_path / "job.yaml"
+    job_path.write_text("name: j\ninputs: []\nmodel: {}\ntasks:\n  - {name: t, prompt: 'Who?'}\n"
+                        "output: out.jsonl\ncache_store: {path: store, max_gb: 1}\n")
+    job = load_job(job_path, check_inputs=False)
+    entry = SimpleNamespace(info={"reusable": True, "needs_images": True}, path=tmp_path / "store" / "x")
+    store = SimpleNamespace(candidates=lambda digest: [entry])
+    monkeypatch.setattr("pipeline.inference.doc_cache.store_for_job", lambda job: store)
+
+    class TextOnly:
+        def reads_images(self):
+            return False
+
+        def get(self, needs_images):
+            raise AssertionError(f"a model was loaded for needs_images={needs_images}")
+
+    ref = SimpleNamespace(source=tmp_path / "a.pdf", doc_id="a.pdf")
+    assert run_document.reuse_stored(TextOnly(), job, ref, "sha256:00", job.spec.tasks) is None
