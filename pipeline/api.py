@@ -51,8 +51,14 @@ def run_job(job: Job, *, retry_failed: bool = False, progress: bool = False) -> 
 
 
 def read_results(job: Job) -> list[dict]:
-    """The record that counts for each key of ``job``'s results file, in file order."""
-    return list(latest_records(job.output_path).values())
+    """The record that counts for each (document, task) of ``job`` as loaded
+    (its tasks, config and overrides), in file order: records of an edited
+    task or an older config stay in the file but are not ``job``'s results,
+    as in ``tqpipe export``."""
+    from pipeline.run.plan import WorkPlan
+
+    current = WorkPlan(job).is_current
+    return [r for k, r in latest_records(job.output_path).items() if current(k)]
 
 
 def ask_files(files: Sequence[str | Path], prompt: str, *, format: str | None = None,

@@ -41,6 +41,10 @@ def test_load_run_read_and_ask(tmp_path, tiny_vlm_dir, monkeypatch):
     (rec,) = read_results(job)
     assert rec["status"] == "ok" and rec["cache"]["kv_bits"] == 4
     assert run_job(job).skipped == 1  # exactly-once, as from the CLI
+    other = load_job(tmp_path / "job.yaml", model=str(tiny_vlm_dir), kv_bits=3.5, max_tokens=2)
+    assert run_job(other).done == 1
+    (rec,) = read_results(other)  # the file holds both configs; each job reads its own
+    assert rec["cache"]["kv_bits"] == 3.5 and [r["cache"]["kv_bits"] for r in read_results(job)] == [4]
     with pytest.raises(OverrideError, match="--kv-bits"):
         load_job(tmp_path / "job.yaml", kv_bits=3.3)
     monkeypatch.chdir(tmp_path)
