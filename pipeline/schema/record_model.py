@@ -15,6 +15,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from pipeline.schema.record import WARNING_CODES
+
 
 class _Open(BaseModel):
     model_config = ConfigDict(extra="allow")
@@ -87,6 +89,13 @@ class Record(_Open):
     missing_fields: list[str] | None = Field(None, description="format: json: expected keys the answer lacks")
     citations: dict[str, Any] | None = Field(None, description="pages the answer cites and whether they exist")
     memory: dict[str, Any] | None = Field(None, description="peak MLX memory and max RSS")
+    warnings: list[str] = Field(description="quality warning codes of an ok answer that may be wrong or cut off "
+                                            "(empty: none): " + ", ".join(WARNING_CODES))
+    source_b64: str | None = Field(None, description="the file name's raw bytes (base64) when they are not UTF-8; "
+                                                     "source then shows them escaped")
+    same_content_as: str | None = Field(None, description="a second name of identical bytes: the doc_id whose "
+                                                          "record this one copies (no second prefill)")
+    worker: dict[str, Any] | None = Field(None, description="--engine ray: the worker that made it (host, pid, device)")
 
 
 def record_json_schema() -> dict:

@@ -88,6 +88,10 @@ def test_records_of_a_run_validate_against_the_record_schema(tmp_path, tiny_vlm_
 def test_schema_command_prints_json_schema():
     r = CliRunner().invoke(main, ["schema", "record"])
     assert r.exit_code == 0 and json.loads(r.output)["title"] == "Record"
+    record = json.loads(r.output)
+    for field in ("warnings", "source_b64", "same_content_as", "worker"):  # written by render / ray_engine
+        assert field in record["properties"], field
+    assert "warnings" in record["required"] and "answer_truncated" in record["properties"]["warnings"]["description"]
     r = CliRunner().invoke(main, ["schema", "job"])
     assert r.exit_code == 0 and "tasks" in json.loads(r.output)["properties"]
     assert CliRunner().invoke(main, ["schema", "record", "--markdown"]).exit_code == 2
