@@ -23,6 +23,7 @@ from typing import Any, Callable, Iterable
 import orjson
 
 from pipeline.errors import TqpipeError
+from pipeline.output.atomic import write_whole
 from pipeline.output.results_log import latest_records
 
 FORMATS = ("markdown", "csv", "parquet")
@@ -130,28 +131,38 @@ def to_parquet(records: Iterable[dict], path: Path) -> None:
     pq.write_table(pa.table(arrays), path)
 
 
+_MD_PUNCT = str.maketrans({c: "\\" + c for c in "\\`*_[]()#|~!"}
+                          | {"&": "&amp;", "<": "&lt;", ">": "&gt;", "\n": "\\n", "\r": "\\r", "\t": " "})
+
+
+def md_text(text: Any) -> str:
+    """``text`` as one line of literal Markdown: a name with a newline, ``#``
+    or ``<img ...>`` in it stays inside its heading and renders as written."""
+    return str(text).translate(_MD_PUNCT)
+
+
 def to_markdown(records: Iterable[dict], job_name: str) -> bytes:
     """One section per document, one sub-section per task: its warning codes
     (if any), the answer as text, a JSON answer as a fenced block, a failure as
     a quoted error."""
-    lines = [f"# {job_name}", ""]
+    lines = [f"# {md_text(job_name)}", ""]
     current = None
     for rec in records:
         if rec.get("doc_id") != current:
             current = rec.get("doc_id")
-            lines += [f"## {current}", ""]
-        lines += [f"### {rec.get('task')}", ""]
+            lines += [f"## {md_text(current)}", ""]
+        lines += [f"### {md_text(rec.get('task'))}", ""]
         if rec.get("warnings"):
             lines += [f"> warnings: {', '.join(rec['warnings'])}", ""]
         if rec.get("status") != "ok":
             err = rec.get("error") or {}
-            lines += [f"> **failed** ({err.get('stage', '?')}): {err.get('type', '')}: {err.get('message', '')}", ""]
+            lines += [f"> **failed** ({err.get('stage', '?')}): {err.get('type', '')}: {md_text(err.get('message', ''))}", ""]
         elif rec.get("parsed") is not None:
             lines += ["```json", orjson.dumps(rec["parsed"], option=orjson.OPT_INDENT_2).decode(), "```", ""]
         else:
             lines += [(rec.get("output") or "").strip(), ""]
             if rec.get("parse_error"):
-                lines += [f"> not valid JSON: {rec['parse_error']}", ""]
+                lines += [f"> not valid JSON: {md_text(rec['parse_error'])}", ""]
     return "\n".join(lines).encode("utf-8")
 
 
@@ -163,7 +174,8 @@ def export(results: Path, fmt: str, out: Path, *, job_name: str, current: Callab
     records = records_for_export(results, current)
     out.parent.mkdir(parents=True, exist_ok=True)
     if fmt == "parquet":
-        to_parquet(records, out)
+        write_whole(out, lambda path: to_parquet(records, path))
     else:
-        out.write_bytes(to_csv(records) if fmt == "csv" else to_markdown(records, job_name))
+        data = to_csv(records) if fmt == "csv" else to_markdown(records, job_name)
+        write_whole(out, lambda path: path.write_bytes(data))
     return len(records)

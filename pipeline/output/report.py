@@ -23,6 +23,7 @@ from typing import Any, Callable
 import orjson
 
 from pipeline.inference.kv_size import KVGeometry, cache_nbytes_formula
+from pipeline.output.atomic import write_whole
 from pipeline.output.export import records_for_export
 
 _W, _H, _PAD = 760, 340, 56  # plot size and margin, px
@@ -221,5 +222,6 @@ def write_report(results: Path, out: Path, *, job_name: str, current: Callable[[
     return the number of records shown."""
     records = records_for_export(results, current)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(render_report(records, job_name=job_name, results=results), encoding="utf-8")
+    page = render_report(records, job_name=job_name, results=results)
+    write_whole(out, lambda path: path.write_text(page, encoding="utf-8"))
     return len(records)

@@ -65,6 +65,48 @@ def test_markdown_has_a_section_per_document_and_task(run_dir, tmp_path):
     assert "> warnings: " in text and "answer_truncated" in text  # what may be wrong is said beside the answer
 
 
+def test_markdown_keeps_odd_names_literal_and_on_their_heading_line(tmp_path):
+    from pipeline.output.export import to_markdown
+
+    recs = [{"doc_id": "docs/new\n# Injected <img src=x onerror=alert(1)>.pdf", "task": "t", "status": "error",
+             "error": {"stage": "ingest", "type": "IngestError", "message": "a\nb"}}]
+    text = to_markdown(recs, "job_with_underscores").decode()
+    lines = text.splitlines()
+    assert lines[0] == "# job\\_with\\_underscores"
+    assert [x for x in lines if x.startswith("#")] == [
+        lines[0], "## docs/new\\n\\# Injected &lt;img src=x onerror=alert\\(1\\)&gt;.pdf", "### t"]
+    assert "<img" not in text and "> **failed** (ingest): IngestError: a\\nb" in lines
+
+
+@pytest.mark.parametrize("fmt", ["csv", "markdown", "parquet", "report"])
+def test_a_failed_export_leaves_the_previous_file_whole(run_dir, tmp_path, monkeypatch, fmt):
+    """Export and report write a sibling and rename it: a write that fails
+    (a full disk) leaves the last good file, and no stray temporary."""
+    from pipeline.output import report
+
+    if fmt == "parquet":
+        pytest.importorskip("pyarrow")
+    out = tmp_path / "prev.out"
+    results = run_dir / "out" / "results.jsonl"
+    write = (lambda: report.write_report(results, out, job_name="exp")) if fmt == "report" else (
+        lambda: export(results, fmt, out, job_name="exp"))
+    write()
+    before = out.read_bytes()
+    assert before
+
+    def full(path, data=b"", *a, **k):  # the disk fills after the first bytes
+        with open(path, "wb") as f:
+            f.write(b"torn")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(Path, "write_bytes", full)
+    monkeypatch.setattr(Path, "write_text", full)
+    monkeypatch.setattr("pyarrow.parquet.write_table", lambda table, path, *a, **k: full(path), raising=False)
+    with pytest.raises(OSError, match="No space left"):
+        write()
+    assert out.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == ["prev.out"]
+
+
 def test_parquet_round_trips_and_missing_pyarrow_is_a_clear_error(run_dir, tmp_path, monkeypatch):
     pq = pytest.importorskip("pyarrow.parquet")
     out = tmp_path / "r.parquet"
