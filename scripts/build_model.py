@@ -31,6 +31,8 @@ import zlib
 from pathlib import Path
 from typing import Iterator
 
+from pipeline.models.store import write_marker
+
 _LLAMA3_ROPE = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                 "original_max_position_embeddings": 8192, "rope_type": "llama3"}
 
@@ -180,6 +182,9 @@ def build(out: str | Path, shape: str = "8b", *, seed: int = 0, dtype: str = "bf
     c.update(ids, torch_dtype=dtype)
     (out / "config.json").write_text(json.dumps(c, indent=1))
     write_weights(out, c, seed, dtype, used_vocab=_tokenizer_size(out))
+    # the build marker: tqpipe marks every record of this model random_weights (its answers are noise)
+    write_marker(out, {"builder": "scripts/build_model.py", "random_weights": True, "shape": shape, "seed": seed,
+                       "dtype": dtype})
     return out
 
 

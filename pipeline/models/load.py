@@ -274,9 +274,10 @@ def model_reads_images(path: str | None) -> bool:
 
 
 def has_random_weights(model_dir: Path) -> bool:
-    """True for a folder the tiny-VLM builder made (its marker says so), wherever it lives."""
-    marker = read_marker(Path(model_dir)) or {}
-    return (marker.get("stamp") or {}).get("builder") == tiny_vlm_stamp()["builder"]
+    """True for a folder a builder of seeded random weights made (the tiny
+    VLM, ``scripts/build_model.py``), wherever it lives: its marker says so."""
+    stamp = (read_marker(Path(model_dir)) or {}).get("stamp") or {}
+    return stamp.get("builder") == tiny_vlm_stamp()["builder"] or stamp.get("random_weights") is True
 
 
 def main() -> None:

@@ -63,7 +63,8 @@ def is_valid(path: Path, stamp: dict[str, Any]) -> bool:
     return True
 
 
-def _write_marker(path: Path, stamp: dict[str, Any]) -> None:
+def write_marker(path: Path, stamp: dict[str, Any]) -> None:
+    """Mark ``path`` as a complete build of ``stamp`` (every file's size, read back by :func:`is_valid`)."""
     files = {
         p.relative_to(path).as_posix(): p.stat().st_size
         for p in sorted(path.rglob("*"))
@@ -105,7 +106,7 @@ def cached_build(
         try:
             os.chmod(tmp, 0o755)  # mkdtemp makes it private; others read the cache
             build(tmp)
-            _write_marker(tmp, stamp)
+            write_marker(tmp, stamp)
             if target.exists() or target.is_symlink():
                 stale = Path(
                     tempfile.mkdtemp(prefix=f".{target.name}.stale-", dir=target.parent)

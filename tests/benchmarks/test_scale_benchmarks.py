@@ -89,6 +89,9 @@ def test_built_model_answers_in_its_tokenizers_ids(tmp_path):
     from build_model import build
 
     out = build(tmp_path / "m", "tiny", dtype="float32", tokenizer_vocab=600)
+    from pipeline.models.load import has_random_weights
+
+    assert has_random_weights(out)  # so every record of a job on it carries random_weights
     weights = mx.load(str(next(out.glob("model-*.safetensors"))))
     head = weights["lm_head.weight"]
     assert mx.all(head[600:] == 0).item() and mx.any(head[:600] != 0).item()
