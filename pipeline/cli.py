@@ -389,7 +389,9 @@ def validate(job_file: str) -> None:
     from pipeline.inputs.discover import discover, unsupported_files
     from pipeline.output.target import check_output, unwritable
 
-    job = _load(job_file)
+    job = _load(job_file, check_inputs=False, paths_exist=True)
+    if job.spec.inputs:  # inputs: [] is a job tqpipe watch feeds; any other input must match documents
+        job = _load(job_file)
     spec = job.spec
     refs = discover(job)
     out = check_output(job, refs)
@@ -400,7 +402,10 @@ def validate(job_file: str) -> None:
     bits = "" if cache.kv_quant_scheme == "fp16" else f" {cache.kv_bits:g} bits"
     click.echo(f"{job.path}: OK")
     click.echo(f"  name:      {spec.name}")
-    click.echo(f"  documents: {len(refs)} ({sum(r.kind == 'pdf' for r in refs)} PDF, {sum(r.kind == 'images' for r in refs)} image sets)")
+    if spec.inputs:
+        click.echo(f"  documents: {len(refs)} ({sum(r.kind == 'pdf' for r in refs)} PDF, {sum(r.kind == 'images' for r in refs)} image sets)")
+    else:
+        click.echo("  documents: none listed (inputs: []): a job for tqpipe watch INBOX --job JOB")
     passed_over = unsupported_files(job)
     if passed_over:
         names = ", ".join(shown(p) for p in passed_over[:5]) + (", ..." if len(passed_over) > 5 else "")

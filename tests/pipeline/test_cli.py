@@ -108,6 +108,20 @@ def test_validate_names_files_a_folder_input_passes_over(tmp_path, tiny_vlm_dir)
             f"{tmp_path / 'docs' / 'notes.txt'}, {tmp_path / 'docs' / 'prog.exe'}") in r.output
 
 
+def test_validate_accepts_a_watch_job_and_still_refuses_an_empty_input(tmp_path, tiny_vlm_dir):
+    """inputs: [] is a job tqpipe watch feeds (README): validate says so and
+    exits 0; an input that matches nothing is still an error."""
+    job = tmp_path / "watch.yaml"
+    job.write_text(f"name: w\ninputs: []\nmodel: {{path: '{tiny_vlm_dir}'}}\n"
+                   "tasks: [{name: t, prompt: p}]\noutput: out.jsonl\n")
+    r = CliRunner().invoke(main, ["validate", str(job)])
+    assert r.exit_code == 0 and "documents: none listed (inputs: []): a job for tqpipe watch" in r.output, r.output
+    (tmp_path / "empty").mkdir()
+    job.write_text(job.read_text().replace("inputs: []", "inputs: [empty/]"))
+    r = CliRunner().invoke(main, ["validate", str(job)])
+    assert r.exit_code == 2 and "matches no PDF or image files" in r.output
+
+
 def test_lock_held_exits_3(tmp_path, tiny_vlm_dir):
     job = make_job(tmp_path, tiny_vlm_dir)
     out = tmp_path / "out" / "results.jsonl"
