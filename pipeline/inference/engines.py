@@ -66,6 +66,7 @@ class Engines:
         if slot in self._errors:  # don't retry a failed load for every document
             raise self._errors[slot]
         if slot not in self._engines:
+            _check_kernel_setting()
             loader = self._loader
             if loader is None:
                 from pipeline.models.load import load_model as loader
@@ -87,3 +88,15 @@ class Engines:
                 logger.info("warmed up the engine on the GPU in %.2f s", time.perf_counter() - t0)
             self._engines[slot] = engine
         return self._engines[slot]
+
+
+def _check_kernel_setting() -> None:
+    """``TQ_KERNELS`` must name a mode this machine has, once per run: a bad
+    value is the run's problem (exit 4, one line), not every document's."""
+    from pipeline.errors import RunError
+    from turboquant.attention.route import kernels_allowed
+
+    try:
+        kernels_allowed(device.backend(), device.mode(), device.on_gpu())
+    except (ValueError, RuntimeError) as e:
+        raise RunError(str(e)) from None

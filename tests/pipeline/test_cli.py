@@ -122,6 +122,23 @@ def test_validate_accepts_a_watch_job_and_still_refuses_an_empty_input(tmp_path,
     assert r.exit_code == 2 and "matches no PDF or image files" in r.output
 
 
+@pytest.mark.parametrize("value, says", [("bogus", "TQ_KERNELS='bogus': choose one of auto, gpu, reference"),
+                                          ("gpu", "TQ_KERNELS=gpu, but this MLX build has neither Metal nor CUDA")])
+def test_a_bad_kernel_setting_stops_the_run_and_blames_no_document(tmp_path, tiny_vlm_dir, monkeypatch, value, says):
+    from turboquant.attention import device
+
+    if value == "gpu" and device.backend() is not None:
+        pytest.skip("this machine has a GPU backend: TQ_KERNELS=gpu is valid")
+    job = make_job(tmp_path, tiny_vlm_dir)
+    monkeypatch.setenv("TQ_KERNELS", value)
+    r = CliRunner().invoke(main, ["run", str(job), "--no-progress"])
+    assert r.exit_code == 4 and says in r.output, r.output
+    assert not (tmp_path / "out" / "results.jsonl").exists() or not (tmp_path / "out" / "results.jsonl").read_bytes()
+    monkeypatch.delenv("TQ_KERNELS")
+    r = CliRunner().invoke(main, ["run", str(job), "--no-progress"])
+    assert r.exit_code == 0, r.output  # nothing was recorded as failed: a plain rerun does it all
+
+
 def test_lock_held_exits_3(tmp_path, tiny_vlm_dir):
     job = make_job(tmp_path, tiny_vlm_dir)
     out = tmp_path / "out" / "results.jsonl"
