@@ -31,6 +31,7 @@ from pipeline.schema.paths import shown
 
 _HEAD = 1 << 16  # the first line of a results file is one record: far less than this
 _RECORD_START = b'{"schema_version":'  # make_record puts it first
+_PROBE_LINES = 8  # whole lines looked at for a record before a file is called foreign
 
 
 def check_output(job: Job, refs: Iterable[DocumentRef] | None = None) -> Path:
@@ -64,7 +65,14 @@ def check_output(job: Job, refs: Iterable[DocumentRef] | None = None) -> Path:
 
 
 def _not_results(path: Path) -> str | None:
-    """Why ``path`` is not a tqpipe results file, or None if it is one (or empty)."""
+    """Why ``path`` is not a tqpipe results file, or None if it is one (or empty).
+
+    It is one when a record comes first, or, past a damaged start (a line
+    mangled by an editor or a disk fault, a byte-order mark), among the
+    first :data:`_PROBE_LINES` whole lines: readers skip such a line with a
+    warning and its key is simply done again, so one bad line must not
+    make every record in the file unreachable.
+    """
     try:
         with open(path, "rb") as f:
             head = f.read(_HEAD)
@@ -72,16 +80,18 @@ def _not_results(path: Path) -> str | None:
         return f"cannot be read ({e.strerror or e})"
     if not head.strip():
         return None
-    line, newline, _ = head.partition(b"\n")
-    if not newline:  # one line, maybe torn by a crash during the first append
-        return None if line.startswith(_RECORD_START) else "is not a tqpipe results file (JSONL records)"
-    try:
-        first = orjson.loads(line)
-    except orjson.JSONDecodeError:
-        return "is not a tqpipe results file (its first line is not JSON)"
-    if not (isinstance(first, dict) and "schema_version" in first and isinstance(first.get("key"), str)):
-        return "is not a tqpipe results file (its first line is not a tqpipe record)"
-    return None
+    lines = head.removeprefix(b"\xef\xbb\xbf").split(b"\n")
+    whole, last = lines[:-1], lines[-1]
+    if not whole:  # one line, maybe torn by a crash during the first append
+        return None if last.startswith(_RECORD_START) else "is not a tqpipe results file (JSONL records)"
+    for line in [x for x in whole if x.strip()][:_PROBE_LINES]:
+        try:
+            rec = orjson.loads(line)
+        except orjson.JSONDecodeError:
+            continue
+        if isinstance(rec, dict) and "schema_version" in rec and isinstance(rec.get("key"), str):
+            return None
+    return "is not a tqpipe results file (none of its first lines is a tqpipe record)"
 
 
 def unwritable(path: Path) -> str | None:

@@ -123,7 +123,7 @@ def one_doc(tmp_path):
     ("docs/a.pdf", "is an input document of this job (docs/a.pdf)"),
     ("job.yaml", "is the job file itself"),
     ("docs", "is a folder"),
-    ("notes.jsonl", "is not a tqpipe results file (its first line is not a tqpipe record)"),
+    ("notes.jsonl", "is not a tqpipe results file (none of its first lines is a tqpipe record)"),
     ("link.jsonl", "is an input document of this job (docs/a.pdf)"),
     ("dangling.jsonl", "is a symlink to nothing"),
 ])
@@ -153,6 +153,27 @@ def test_output_may_be_any_folder_new_file_or_our_results(tmp_path, one_doc, tin
     assert r.exit_code == 0 and f"output:    {shared / 'r.jsonl'}" in r.output  # the resolved path
     r = CliRunner().invoke(main, ["run", str(job), "--no-progress"])
     assert r.exit_code == 0 and "0 records" in r.output
+
+
+@pytest.mark.parametrize("damage", ["first byte lost", "byte-order mark", "junk first line"])
+def test_a_damaged_first_line_leaves_the_other_records_reachable(tmp_path, one_doc, tiny_vlm_dir, damage):
+    """A results file whose first line was mangled is still ours: status,
+    export and run read the rest (the bad line is skipped with a warning,
+    its key done again), instead of refusing the whole file."""
+    make_text_pdf(one_doc / "b.pdf", ["Second document."])
+    job = make_job(tmp_path, tiny_vlm_dir)
+    assert CliRunner().invoke(main, ["run", str(job), "--no-progress"]).exit_code == 0
+    out = tmp_path / "out" / "results.jsonl"
+    data = out.read_bytes()
+    out.write_bytes({"first byte lost": data[1:], "byte-order mark": b"\xef\xbb\xbf" + data,
+                     "junk first line": b"#!garbage\n" + data}[damage])
+    r = CliRunner().invoke(main, ["status", str(job)])
+    assert r.exit_code == 0 or "pending" in r.output, r.output
+    assert "not a tqpipe results file" not in r.output
+    r = CliRunner().invoke(main, ["run", str(job), "--no-progress"])
+    assert r.exit_code == 0, r.output
+    r = CliRunner().invoke(main, ["status", str(job)])
+    assert r.exit_code == 0 and "done 2, failed 0, pending 0" in r.output, r.output
 
 
 def test_validate_refuses_an_output_that_cannot_be_written(tmp_path, one_doc, tiny_vlm_dir, monkeypatch):
