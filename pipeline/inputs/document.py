@@ -31,6 +31,12 @@ class Page:
     image: "PIL.Image.Image | None"
     scanned: bool
     via: Literal["text", "ocr", "image"] = "text"  # how the page enters the context (recorded per page)
+    incomplete: bool = False  # the reader reported damage: the text kept may lack parts of the page
+
+    @property
+    def empty(self) -> bool:
+        """No text and no image: the page adds nothing to the context."""
+        return self.image is None and not self.text.strip()
 
 
 #: How a page without a text layer enters the context: its image, its OCR'd text, or not at all.
@@ -64,6 +70,8 @@ class Document:
     skipped_pages: list[dict] = field(default_factory=list)  # {"page": n, "error": "..."}
     notes: list[str] = field(default_factory=list)
     pages_clipped: str | None = None  # what of context.pages lay past the end, if anything
+    empty_pages: list[int] = field(default_factory=list)  # read, but no text and no image (blank, OCR found none)
+    incomplete_pages: list[int] = field(default_factory=list)  # read with damage reported: text may be partial
     # pages that failed for want of memory or I/O, not for their content: a
     # document failing on them is worth a plain rerun (IngestError.transient)
     transient_skips: int = field(default=0, compare=False)
@@ -84,14 +92,16 @@ class Document:
         kept with a stored document cache so a later run can write the same
         records without reading the document (:meth:`from_stored`)."""
         return {"page_count": self.page_count, "skipped_pages": list(self.skipped_pages),
-                "notes": list(self.notes), "pages_clipped": self.pages_clipped}
+                "notes": list(self.notes), "pages_clipped": self.pages_clipped,
+                "empty_pages": list(self.empty_pages), "incomplete_pages": list(self.incomplete_pages)}
 
     @classmethod
     def from_stored(cls, ref: DocumentRef, content_hash: str, fields: dict) -> "Document":
         """A document known from a stored cache: its record fields, no pages."""
         return cls(ref=ref, content_hash=content_hash, page_count=int(fields["page_count"]), pages=[],
                    skipped_pages=list(fields["skipped_pages"]), notes=list(fields["notes"]),
-                   pages_clipped=fields["pages_clipped"])
+                   pages_clipped=fields["pages_clipped"], empty_pages=list(fields.get("empty_pages", [])),
+                   incomplete_pages=list(fields.get("incomplete_pages", [])))
 
 
 def read_pages(
@@ -118,6 +128,10 @@ def read_pages(
         page = _with_retries(lambda: read_page(n), n, context, doc)
         if page is not None:
             doc.pages.append(page)
+            if page.empty:
+                doc.empty_pages.append(n)
+            if page.incomplete:
+                doc.incomplete_pages.append(n)
     _check_failures(doc, len(numbers), context)
     return doc
 

@@ -109,6 +109,7 @@ def _read_pdf_page(pdf, number: int, context: ContextSpec, route: ScannedRoute) 
             pix = page.get_pixmap(dpi=_render_dpi(page, context.dpi, number, notes), alpha=False)
             image = Image.frombytes("RGB", (pix.width, pix.height), pix.samples)
         problems = pymupdf.TOOLS.mupdf_warnings(reset=True).strip()
+    incomplete = bool(problems)
     if problems:
         summary = "; ".join(dict.fromkeys(p for p in problems.splitlines() if not p.startswith("...")))
         if stripped == 0:
@@ -121,4 +122,4 @@ def _read_pdf_page(pdf, number: int, context: ContextSpec, route: ScannedRoute) 
             notes.append(f"page {number}: looks scanned and OCR found no text on it")
     elif scanned and image is None:
         notes.append(f"page {number}: looks scanned (no text layer) but images: never, so it is empty")
-    return Page(number=number, text=text, image=image, scanned=scanned, via=via), notes
+    return Page(number=number, text=text, image=image, scanned=scanned, via=via, incomplete=incomplete), notes

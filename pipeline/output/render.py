@@ -59,6 +59,10 @@ def quality_warnings(task: TaskSpec, prompt: DocumentPrompt, doc: Document | Non
         add_warning(warnings, "pages_skipped")
     if doc is not None and doc.pages_clipped:
         add_warning(warnings, "pages_clipped")
+    if doc is not None and prompt.included_pages and set(prompt.included_pages) <= set(doc.empty_pages):
+        add_warning(warnings, "no_content")
+    if doc is not None and set(doc.incomplete_pages) & set(prompt.included_pages):
+        add_warning(warnings, "text_incomplete")
     if random_weights:
         add_warning(warnings, "random_weights")
     return warnings

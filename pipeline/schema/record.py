@@ -44,6 +44,8 @@ WARNING_CODES: dict[str, str] = {
     "truncated": "the document did not fit the context; trailing pages were dropped (context.truncated)",
     "pages_skipped": "pages that could not be read were left out (pages.skipped)",
     "pages_clipped": "the page selection reached past the document's end and was clipped (context.pages_clipped)",
+    "no_content": "every page that went in was empty (no text, no image): the answer cannot come from the document (context.notes)",
+    "text_incomplete": "the PDF reader reported damage on pages whose text was kept: parts may be missing (context.notes)",
     "random_weights": "the model has seeded random weights (the built-in tiny VLM): its answers are noise",
 }
 

@@ -167,3 +167,32 @@ def test_a_second_name_before_its_recorded_first_name_is_done_in_one_run(tmp_pat
     assert all(x["same_content_as"] == "docs/b.pdf" for x in copies)
     r = CliRunner().invoke(main, ["status", str(job_path)])
     assert r.exit_code == 0 and "done 9, failed 0, pending 0" in r.output, r.output
+
+
+def test_an_empty_document_and_damaged_text_are_warnings_not_clean_answers(tmp_path, tiny_vlm_dir):
+    """A blank PDF whose pages go in empty (images: never) gets an answer made
+    of nothing, and a page MuPDF reports damage on keeps partial text: each
+    record says so with a code (strict fails it), not only in a free-text note."""
+    import pymupdf
+
+    job_path = make_job(tmp_path, tiny_vlm_dir, context=", images: never", json_task=False)
+    docs = tmp_path / "docs"
+    blank = pymupdf.open()
+    blank.new_page()
+    blank.new_page()
+    blank.save(docs / "blank.pdf")
+    make_text_pdf(docs / "c.pdf", ["first page", "second page"])
+    pdf = pymupdf.open(docs / "c.pdf")
+    pdf.update_stream(pdf[1].get_contents()[0], b"BT /Helv 12 Tf 72 700 Td (partial text) Tj ET ((( unbalanced ] >>")
+    pdf.save(docs / "damaged.pdf")
+    pdf.close()
+    (docs / "c.pdf").unlink()
+    r = CliRunner().invoke(main, ["run", str(job_path), "--no-progress"])
+    assert r.exit_code == 0, r.output
+    recs = {x["doc_id"]: x for x in lines(tmp_path / "out" / "results.jsonl")}
+    assert "no_content" in recs["docs/blank.pdf"]["warnings"]
+    assert "text_incomplete" in recs["docs/damaged.pdf"]["warnings"]
+    assert not {"no_content", "text_incomplete"} & set(recs["docs/a.pdf"]["warnings"])
+    assert "no_content 1" in r.output and "text_incomplete 1" in r.output
+    job_path.write_text(job_path.read_text().replace("tasks:", "strict: true\ntasks:"))
+    assert CliRunner().invoke(main, ["status", str(job_path)]).exit_code == 1
