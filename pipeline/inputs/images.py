@@ -16,25 +16,48 @@ from pipeline.schema.job import ContextSpec
 
 
 def read_image_set(ref: DocumentRef, context: ContextSpec, digest: str, route: ScannedRoute = "image") -> Document:
-    """Read the selected images of an image set, one page each, in member order."""
+    """Read the selected pages of an image set in member order: one page per
+    image, and one per frame of a multi-page TIFF (a fax or a scanner's
+    batch file is one such file)."""
     if route == "none":
         raise IngestError(ref.source, "an image set has no text, but the job says context.images: never")
     if not ref.members:
         raise IngestError(ref.source, "image set holds no images")
-    return read_pages(ref, digest, len(ref.members), context, lambda n: _read_image(ref.members[n - 1], n, route))
+    pages = [(path, frame) for path in ref.members for frame in range(_page_frames(path))]
+    return read_pages(ref, digest, len(pages), context, lambda n: _read_image(*pages[n - 1], n, route))
 
 
-def _read_image(path: Path, number: int, route: ScannedRoute) -> tuple[Page, list[str]]:
+def _page_frames(path: Path) -> int:
+    """Pages in ``path``: a TIFF's frames; 1 for any other image (an animated
+    GIF's or a camera MPO's extra frames are not pages) and for a file that
+    does not open (reading that page fails with its own error)."""
     from PIL import Image
 
+    try:
+        with Image.open(path) as im:
+            return max(1, int(getattr(im, "n_frames", 1))) if im.format == "TIFF" else 1
+    except Exception:  # noqa: BLE001 - any failure to open is the page's, reported when it is read
+        return 1
+
+
+def _read_image(path: Path, frame: int, number: int, route: ScannedRoute) -> tuple[Page, list[str]]:
+    from PIL import Image
+
+    notes = []
     with Image.open(path) as im:
+        if frame:
+            im.seek(frame)
+        elif getattr(im, "n_frames", 1) > 1 and im.format != "TIFF":
+            notes.append(f"page {number}: {path.name} holds {im.n_frames} frames; the first is read")
         im.load()  # decode now, so a truncated file fails here and not in the model
         image = to_rgb(im)
+    name = f"{path.name} (page {frame + 1})" if frame else path.name
     if route == "ocr":
         text = ocr_image(image)
-        notes = [] if text else [f"page {number}: OCR found no text on {path.name}"]
+        if not text:
+            notes.append(f"page {number}: OCR found no text on {name}")
         return Page(number=number, text=text, image=None, scanned=True, via="ocr"), notes
-    return Page(number=number, text="", image=image, scanned=True, via="image"), []
+    return Page(number=number, text="", image=image, scanned=True, via="image"), notes
 
 
 def to_rgb(im: "Image.Image") -> "Image.Image":

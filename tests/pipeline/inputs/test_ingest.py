@@ -262,6 +262,23 @@ def test_16_bit_grayscale_scans_keep_their_contrast(tmp_path):
     assert np.asarray(to_rgb(floats))[0, :, 0].tolist() == [0, 1, 1]  # 0-1 floats: held within 0-255, as they are
 
 
+def test_a_multi_page_tiff_gives_a_page_per_frame(tmp_path):
+    """A fax or a scanner's batch TIFF holds many pages in one file: each is a
+    page (and --pages counts them); an animated GIF's frames are not pages,
+    its first is read with a note."""
+    frames = [Image.new("RGB", (50, 40), c) for c in ("red", "green", "blue")]
+    (tmp_path / "s").mkdir()
+    frames[0].save(tmp_path / "s" / "a.tif", save_all=True, append_images=frames[1:])
+    frames[0].save(tmp_path / "s" / "b.gif", save_all=True, append_images=frames[1:])
+    (ref,) = discover(job_in(tmp_path, "[{images: s}]"))
+    doc = ingest(ref, ContextSpec())
+    assert doc.page_count == 4 and [p.image.getpixel((0, 0)) for p in doc.pages] == [
+        (255, 0, 0), (0, 128, 0), (0, 0, 255), (255, 0, 0)]
+    assert doc.notes == ["page 4: b.gif holds 3 frames; the first is read"]
+    doc = ingest(ref, ContextSpec(pages="2-3"))
+    assert [p.image.getpixel((0, 0)) for p in doc.pages] == [(0, 128, 0), (0, 0, 255)]
+
+
 # -- speed ------------------------------------------------------------------
 
 
