@@ -210,6 +210,17 @@ def _load_oneoff(files: list[str], ov, scratch: Path | None, pages: str | None) 
         _fail(f"--pages: {e}", EXIT_USAGE)
 
 
+def _check_model_takes_pages(job: Job) -> None:
+    """A model that cannot take the pages the job sends (a text-only model
+    under images: always) is the job's problem: exit 2 before anything
+    runs, in validate, run and --dry-run alike."""
+    from pipeline.models.load import images_problem
+
+    problem = images_problem(job.spec.model.path, job.spec.context.images)
+    if problem:
+        _fail(f"{job.path}: {problem}", EXIT_USAGE)
+
+
 def _run_loaded(job: Job, job_file: str, *, dry_run: bool, retry_failed: bool, engine: str | None,
                 address: str | None, workers: int | None, no_progress: bool, verbose: bool,
                 summary_err: bool, stdout_records: bool) -> None:
@@ -219,6 +230,7 @@ def _run_loaded(job: Job, job_file: str, *, dry_run: bool, retry_failed: bool, e
         flags = " and ".join(f for f, v in (("--address", address), ("--workers", workers)) if v is not None)
         _fail(f"{flags} only apply to the Ray engine; add --engine ray (or set engine.kind: ray in {job_file})",
               EXIT_USAGE)
+    _check_model_takes_pages(job)
     from pipeline.run.signals import stop_on_signals, stopped_from
 
     with stop_on_signals():
@@ -392,6 +404,7 @@ def validate(job_file: str) -> None:
     job = _load(job_file, check_inputs=False, paths_exist=True)
     if job.spec.inputs:  # inputs: [] is a job tqpipe watch feeds; any other input must match documents
         job = _load(job_file)
+    _check_model_takes_pages(job)
     spec = job.spec
     refs = discover(job)
     out = check_output(job, refs)

@@ -25,6 +25,7 @@ from pydantic import ValidationError
 from pipeline.errors import JobFileError
 from pipeline.inputs.discover import expand_input
 from pipeline.schema.job import ImageSetInput, Job, JobSpec
+from pipeline.schema.model_ref import model_path_problem
 from pipeline.schema.reference import models_in
 
 
@@ -68,9 +69,6 @@ def load_job(path: str | Path, *, check_inputs: bool = True, paths_exist: bool =
 
 # -- filesystem checks ------------------------------------------------------
 
-_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
-
-
 def _check_filesystem(job: Job, shown: str, *, check_inputs: bool = True, paths_exist: bool = False) -> None:
     if check_inputs and not job.spec.inputs:
         raise JobFileError(shown, "inputs", "must name at least 1 file, folder or glob "
@@ -92,12 +90,13 @@ def _check_filesystem(job: Job, shown: str, *, check_inputs: bool = True, paths_
     if out.is_dir():
         raise JobFileError(shown, "output", f"{job.spec.output!r} is a folder; give a .jsonl file path")
     mp = job.spec.model.path
-    if mp is not None and not mp.startswith("builtin:"):  # built-in names are checked when loaded
+    if mp is not None:
         local = job.resolve(mp)
-        if local.exists():
+        problem = model_path_problem(mp, local)
+        if problem:
+            raise JobFileError(shown, "model.path", problem)
+        if not mp.startswith("builtin:") and local.exists():
             job.spec.model.path = str(local)
-        elif not _HUB_ID.match(mp) or mp.startswith((".", "~")):
-            raise JobFileError(shown, "model.path", f"local model folder {str(local)!r} does not exist")
 
 
 def _raw(item: str | ImageSetInput) -> str:

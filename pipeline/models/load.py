@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -39,6 +38,7 @@ from pipeline.models.builtin_vlm import ensure_tiny_vlm
 from pipeline.models.builtin_vlm import stamp as tiny_vlm_stamp
 from pipeline.models.smollm2 import ensure_smollm2
 from pipeline.models.store import models_home, read_marker, tqpipe_home
+from pipeline.schema.model_ref import BUILTIN_TEXT, BUILTIN_VLM, model_path_problem
 from turboquant.attention import cubins
 
 
@@ -57,9 +57,6 @@ __all__ = [
     "resolve_model_dir",
 ]
 
-BUILTIN_TEXT = "builtin:smollm2-135m-instruct"
-BUILTIN_VLM = "builtin:tiny-qwen2-vl"
-_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 _EXAMPLE_VLM = "mlx-community/Qwen2-VL-2B-Instruct-4bit"
 VLM_INSTALL = "pip install 'tqpipe[vlm]'"
 
@@ -121,18 +118,17 @@ def resolve_model_dir(path: str) -> Path:
     """The local directory for ``path``: a builtin name, a directory or a Hub id."""
     if path in _BUILTINS:
         return _BUILTINS[path]()
-    if path.startswith("builtin:"):
-        raise ModelLoadError(f"unknown built-in model {path!r}; known: {', '.join(_BUILTINS)}")
     local = Path(path).expanduser()
-    if local.exists():
-        if not local.is_dir():
-            raise ModelLoadError(f"model path {path!r} is a file; give the model directory")
-        if not (local / "config.json").is_file():
-            raise ModelLoadError(f"model directory {path!r} has no config.json")
-        return local
-    if not _HUB_ID.match(path) or path.startswith((".", "~")):
-        raise ModelLoadError(f"model directory {path!r} does not exist")
-    return _from_hub(path)
+    problem = model_path_problem(path, local)
+    if problem:
+        raise ModelLoadError(problem)
+    if not local.exists():
+        return _from_hub(path)
+    if not local.is_dir():
+        raise ModelLoadError(f"model path {path!r} is a file; give the model directory")
+    if not (local / "config.json").is_file():
+        raise ModelLoadError(f"model directory {path!r} has no config.json")
+    return local
 
 
 def read_config(model_dir: Path) -> dict:
@@ -222,11 +218,7 @@ def load_model(path: str | None, *, needs_images: bool = False) -> LoadedModel:
     config = read_config(model_dir)
     vlm = is_vlm_config(config)
     if needs_images and not vlm:
-        raise ModelLoadError(
-            f"model {path!r} is text-only (model_type {config['model_type']!r}) but this job "
-            f"needs page images; set model.path to a vision-language model (e.g. "
-            f"{_EXAMPLE_VLM}), or set context.images to auto or ocr so scanned pages are read as text"
-        )
+        raise ModelLoadError(_text_only(path, config.get("model_type")))
     if vlm:
         require_mlx_vlm(f"model {path!r}")
     try:
@@ -258,6 +250,32 @@ def load_model(path: str | None, *, needs_images: bool = False) -> LoadedModel:
         model_dir=model_dir,
         random_weights=has_random_weights(model_dir),
     )
+
+
+def _text_only(path: str, model_type: str | None) -> str:
+    kind = f" (model_type {model_type!r})" if model_type else ""
+    return (f"model {path!r} is text-only{kind} but this job "
+            f"needs page images; set model.path to a vision-language model (e.g. "
+            f"{_EXAMPLE_VLM}), or set context.images to auto or ocr so scanned pages are read as text")
+
+
+def images_problem(path: str | None, images: str) -> str | None:
+    """Why a job with ``context.images: images`` cannot run on the model at
+    ``path``, found before any document is read (``validate``, ``run``):
+    ``always`` sends every page as an image, which a text-only model cannot
+    take.  A Hub id is not fetched for this; its load says it instead."""
+    if images != "always":
+        return None
+    path = BUILTIN_TEXT if path is None else path
+    if not (path.startswith("builtin:") or Path(path).expanduser().is_dir()):
+        return None
+    try:
+        if model_reads_images(path):
+            return None
+        model_type = None if path.startswith("builtin:") else read_config(resolve_model_dir(path)).get("model_type")
+    except ModelLoadError:
+        return None  # the load reports it, with its own message
+    return _text_only(path, model_type)
 
 
 def model_reads_images(path: str | None) -> bool:

@@ -22,6 +22,7 @@ from pydantic import ValidationError
 
 from pipeline.errors import TqpipeError
 from pipeline.schema.job import Job, JobSpec
+from pipeline.schema.model_ref import model_path_problem
 
 #: The task ``--prompt`` makes (it replaces the job's tasks).
 PROMPT_TASK = "prompt"
@@ -93,9 +94,9 @@ def apply_overrides(job: Job, ov: Overrides, *, cwd: Path | None = None) -> Job:
     """
     cwd = Path.cwd() if cwd is None else cwd
     data = job.spec.model_dump(by_alias=True, exclude_unset=False)
+    model_local = None if ov.model is None else cwd / Path(ov.model).expanduser()  # ~ and absolute paths kept
     if ov.model is not None:
-        local = (cwd / ov.model).expanduser()
-        data["model"]["path"] = os.path.abspath(local) if local.exists() else ov.model
+        data["model"]["path"] = os.path.abspath(model_local) if model_local.exists() else ov.model
     cache = data["cache"]
     if ov.kv_quant_scheme is not None:
         cache["kv_quant_scheme"] = ov.kv_quant_scheme
@@ -122,9 +123,8 @@ def apply_overrides(job: Job, ov: Overrides, *, cwd: Path | None = None) -> Job:
         flag = FLAGS.get(loc[:2]) or FLAGS.get(loc[:1]) or ("--max-tokens" if "max_tokens" in loc else None)
         where = flag or ".".join(loc)
         raise OverrideError(f"{where}: {err['msg'].removeprefix('Value error, ')}") from None
-    path = spec.model.path
-    # a built-in name is checked when loaded, as in a job file (inputs.job_file)
-    if ov.model is not None and not os.path.isabs(path) and "/" not in path and not path.startswith("builtin:"):
-        raise OverrideError(f"--model: {ov.model!r} is neither a local folder, a hub id (org/name) "
-                            f"nor a built-in model (builtin:...)")
+    if ov.model is not None:  # the job file's rule (schema.model_ref), paths from the working directory
+        problem = model_path_problem(ov.model, model_local)
+        if problem:
+            raise OverrideError(f"--model: {problem}")
     return dataclasses.replace(job, spec=spec)

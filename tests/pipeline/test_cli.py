@@ -139,6 +139,34 @@ def test_a_bad_kernel_setting_stops_the_run_and_blames_no_document(tmp_path, tin
     assert r.exit_code == 0, r.output  # nothing was recorded as failed: a plain rerun does it all
 
 
+def test_a_model_that_does_not_exist_is_exit_2_wherever_it_is_named(tmp_path, tiny_vlm_dir):
+    """One rule (schema.model_ref): the job file, --model on run and on ask
+    all refuse a missing folder or an unknown built-in before any run."""
+    job = make_job(tmp_path, tiny_vlm_dir, docs=1)
+    missing = str(tmp_path / "no-such-model")
+    for args in (["run", str(job), "--model", missing], ["ask", str(tmp_path / "docs" / "doc0.pdf"),
+                                                         "--prompt", "x", "--model", missing]):
+        r = CliRunner().invoke(main, args)
+        assert r.exit_code == 2 and "does not exist" in r.output, (args, r.output)
+    assert not (tmp_path / "out").exists()  # no lock taken, nothing written
+    job.write_text(job.read_text().replace(str(tiny_vlm_dir), "builtin:nonsense"))
+    for cmd in ("validate", "run"):
+        r = CliRunner().invoke(main, [cmd, str(job)])
+        assert r.exit_code == 2 and "unknown built-in model 'builtin:nonsense'" in r.output, (cmd, r.output)
+
+
+def test_a_text_model_under_images_always_is_refused_before_anything_runs(tmp_path, tiny_vlm_dir):
+    """validate, run and --dry-run agree (exit 2, the fix named) instead of
+    OK / per-document errors / exit 4 after the model loaded."""
+    job = make_job(tmp_path, tiny_vlm_dir, docs=1, extra="context: {images: always}\n")
+    job.write_text(job.read_text().replace(f"model: {{path: '{tiny_vlm_dir}'}}", "model: {}"))
+    for args in (["validate", str(job)], ["run", str(job)], ["run", str(job), "--dry-run"]):
+        r = CliRunner().invoke(main, args)
+        assert r.exit_code == 2 and "is text-only" in r.output and "context.images to auto or ocr" in r.output, (
+            args, r.output)
+    assert not (tmp_path / "out").exists()
+
+
 def test_lock_held_exits_3(tmp_path, tiny_vlm_dir):
     job = make_job(tmp_path, tiny_vlm_dir)
     out = tmp_path / "out" / "results.jsonl"

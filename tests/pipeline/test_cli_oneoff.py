@@ -42,7 +42,7 @@ def test_overrides_replace_job_settings_and_change_the_config_hash(tmp_path):
         (dict(kv_quant_scheme="affine", kv_bits=3), "--kv-bits: 3 is not allowed with affine"),
         (dict(kv_key_bits=7), "--kv-key-bits: 7 is not allowed"),
         (dict(kv_quant_scheme="fp16", kv_value_bits=4), "--kv-value-bits: only applies to kv_quant_scheme: turboquant"),
-        (dict(model="nonsense"), "--model: 'nonsense' is neither a local folder, a hub id"),
+        (dict(model="nonsense"), "--model: local model folder .*nonsense' does not exist, and 'nonsense' is neither a hub id"),
     ],
 )
 def test_bad_overrides_name_the_flag(tmp_path, ov, message):
