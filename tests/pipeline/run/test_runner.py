@@ -273,3 +273,13 @@ def test_context_is_capped_at_the_models_own_limit(tmp_path, docs, tiny_vlm_dir,
     rec = records(job)[0]
     assert rec["context"]["model_max_tokens"] == 80 and rec["context"]["truncated"] is True
     assert rec["tokens"]["document"] + rec["tokens"]["task_prompt"] + 4 <= 80
+
+
+def test_the_document_log_line_counts_batched_decode_time_once():
+    """Tasks decoded side by side overlap: the log line's decode time is the
+    batch's (its slowest row), not the sum of the rows' times."""
+    from pipeline.run.runner import _decode_wall_s
+
+    batched = [{"timing": {"decode_s": s, "batch_rows": 3}} for s in (9.5, 10.0, 8.0)]
+    one_by_one = [{"timing": {"decode_s": s}} for s in (9.5, 10.0, 8.0)]
+    assert _decode_wall_s(batched) == 10.0 and _decode_wall_s(one_by_one) == 27.5
