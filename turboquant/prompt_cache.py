@@ -73,7 +73,7 @@ def _direct_sdpa_modules(model: nn.Module) -> list[str]:
 
 def make_prompt_cache(
     model: nn.Module,
-    kv_bits: float = 3.5,
+    kv_bits: Optional[float] = None,
     kv_quant_scheme: str = "turboquant",
     *,
     key_bits: Optional[int] = None,
@@ -85,7 +85,8 @@ def make_prompt_cache(
     max_kv_size: Optional[int] = None,
     quantizer: str = "scalar",
 ) -> list[Any]:
-    """Per-layer caches for ``model`` with the requested KV compression.
+    """Per-layer caches for ``model`` with the requested KV compression
+    (``kv_bits`` unset: 3.5 for turboquant, 4 for affine).
 
     The options are parsed once into a :class:`~turboquant.policy.KVQuantPolicy`
     (``parse_kv_policy``), which every cache built here holds.
@@ -98,6 +99,8 @@ def make_prompt_cache(
     where the attention hook is installed too).
     ``"fp16"``: the model's own caches (the baseline; the model's dtype).
     """
+    if kv_bits is None:  # the scheme's usual width: 3.5 has no affine form
+        kv_bits = 4 if kv_quant_scheme == "affine" else 3.5
     policy = parse_kv_policy(
         kv_bits, kv_quant_scheme, key_bits=key_bits, value_bits=value_bits, quantizer=quantizer,
         window=window, sinks=sinks, seed=seed, affine_group_size=affine_group_size,

@@ -23,9 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 
 from pipeline.errors import PageRangeError
 from pipeline.schema.pages import parse_page_ranges
-from turboquant.widths import ALLOWED_COMPONENT_BITS, ALLOWED_KV_BITS  # the quantizer owns the widths
-
-AFFINE_KV_BITS = (4, 8)
+from turboquant.widths import AFFINE_BITS, ALLOWED_COMPONENT_BITS, ALLOWED_KV_BITS  # the quantizer owns the widths
 
 
 #: JSON types a ``fields: {name: type}`` entry may name.
@@ -94,7 +92,9 @@ class CacheSpec(_Spec):
     """The KV cache: scheme and widths, parsed and checked here so the engine only reads them."""
 
     kv_quant_scheme: Literal["turboquant", "fp16", "affine"] = Field("turboquant", description="KV cache storage")
-    kv_bits: float = Field(3.5, description="turboquant: 2, 2.5, 3, 3.5, 4 (2.5 = 3-bit keys/2-bit values, 3.5 = 4/3); affine: 4, 8")
+    kv_bits: float = Field(None, validate_default=True,
+                           description="turboquant: 2, 2.5, 3, 3.5, 4 (2.5 = 3-bit keys/2-bit values, 3.5 = 4/3; "
+                                       "default 3.5); affine: 2, 3, 4, 5, 6, 8 (default 4)")
     key_bits: int | None = Field(None, description="turboquant: key bits 1-4, overriding kv_bits' split")
     value_bits: int | None = Field(None, description="turboquant: value bits 1-4, overriding kv_bits' split")
     window: int = Field(128, ge=0, description="turboquant: most recent tokens kept exact")
@@ -105,6 +105,14 @@ class CacheSpec(_Spec):
     prefill_chunk: int = Field(512, gt=0, description="tokens per prefill step (bounds peak memory)")
 
     # Field validators (not one model validator) so the error names the exact key.
+    @field_validator("kv_bits", mode="before")
+    @classmethod
+    def _default_kv_bits(cls, v: Any, info: ValidationInfo) -> Any:
+        """Unset: the scheme's usual width (3.5 has no affine form)."""
+        if v is None:
+            return 4 if info.data.get("kv_quant_scheme") == "affine" else 3.5
+        return v
+
     @field_validator("kv_bits")
     @classmethod
     def _check_kv_bits(cls, v: float, info: ValidationInfo) -> float:
@@ -112,8 +120,8 @@ class CacheSpec(_Spec):
         if scheme == "turboquant" and v not in ALLOWED_KV_BITS:
             allowed = ", ".join(f"{b:g}" for b in ALLOWED_KV_BITS)
             raise ValueError(f"{v:g} is not allowed with turboquant; choose one of {allowed}")
-        if scheme == "affine" and v not in AFFINE_KV_BITS:
-            raise ValueError(f"{v:g} is not allowed with affine; choose 4 or 8")
+        if scheme == "affine" and v not in AFFINE_BITS:
+            raise ValueError(f"{v:g} is not allowed with affine; choose one of {', '.join(map(str, AFFINE_BITS))}")
         return v
 
     @field_validator("quantizer")

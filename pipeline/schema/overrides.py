@@ -99,12 +99,14 @@ def apply_overrides(job: Job, ov: Overrides, *, cwd: Path | None = None) -> Job:
         data["model"]["path"] = os.path.abspath(model_local) if model_local.exists() else ov.model
     cache = data["cache"]
     if ov.kv_quant_scheme is not None:
+        if ov.kv_quant_scheme != cache["kv_quant_scheme"] and ov.kv_bits is None:
+            cache["kv_bits"] = None  # the job's width was for its own scheme: the new scheme's default
         cache["kv_quant_scheme"] = ov.kv_quant_scheme
         if ov.kv_quant_scheme != "turboquant":  # turboquant-only keys would be refused
             for k in ("key_bits", "value_bits", "quantizer"):
                 cache.pop(k, None)
-            if ov.kv_quant_scheme == "affine" and ov.kv_bits is None and cache.get("kv_bits") not in (4, 8):
-                cache["kv_bits"] = 4
+    if ov.kv_bits is not None and cache["kv_quant_scheme"] == "fp16":
+        raise OverrideError("--kv-bits: only applies to kv_quant_scheme turboquant or affine (this job's is fp16)")
     for key, value in (("kv_bits", ov.kv_bits), ("key_bits", ov.kv_key_bits), ("value_bits", ov.kv_value_bits)):
         if value is not None:
             cache[key] = value

@@ -56,6 +56,8 @@ def _default(field: Any) -> str:
         return ""
     if isinstance(value, BaseModel):
         return "(see below)"
+    if value is None and field.validate_default:  # filled in by a validator (e.g. per scheme): the meaning says how
+        return "(see meaning)"
     return f"`{json.dumps(value)}`"
 
 

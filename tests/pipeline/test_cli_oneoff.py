@@ -39,7 +39,8 @@ def test_overrides_replace_job_settings_and_change_the_config_hash(tmp_path):
     ("ov", "message"),
     [
         (dict(kv_bits=3.3), "--kv-bits: 3.3 is not allowed with turboquant"),
-        (dict(kv_quant_scheme="affine", kv_bits=3), "--kv-bits: 3 is not allowed with affine"),
+        (dict(kv_quant_scheme="affine", kv_bits=7), "--kv-bits: 7 is not allowed with affine"),
+        (dict(kv_quant_scheme="fp16", kv_bits=3), "--kv-bits: only applies to kv_quant_scheme turboquant or affine"),
         (dict(kv_key_bits=7), "--kv-key-bits: 7 is not allowed"),
         (dict(kv_quant_scheme="fp16", kv_value_bits=4), "--kv-value-bits: only applies to kv_quant_scheme: turboquant"),
         (dict(model="nonsense"), "--model: local model folder .*nonsense' does not exist, and 'nonsense' is neither a hub id"),
@@ -49,6 +50,17 @@ def test_bad_overrides_name_the_flag(tmp_path, ov, message):
     job = load_job(make_job(tmp_path, tmp_path, docs=1))
     with pytest.raises(OverrideError, match=message.replace("(", r"\(")):
         apply_overrides(job, Overrides(**ov), cwd=tmp_path)
+
+
+def test_a_scheme_override_takes_that_schemes_default_width(tmp_path):
+    """--kv-quant-scheme without --kv-bits: the job's width belonged to its
+    own scheme (turboquant 3.5 has no affine form; affine 8 no turboquant one)."""
+    job = load_job(make_job(tmp_path, tmp_path, docs=1))
+    affine = apply_overrides(job, Overrides(kv_quant_scheme="affine"), cwd=tmp_path)
+    assert (affine.spec.cache.kv_quant_scheme, affine.spec.cache.kv_bits) == ("affine", 4)
+    eight = apply_overrides(job, Overrides(kv_quant_scheme="affine", kv_bits=8), cwd=tmp_path)
+    back = apply_overrides(eight, Overrides(kv_quant_scheme="turboquant"), cwd=tmp_path)
+    assert (back.spec.cache.kv_quant_scheme, back.spec.cache.kv_bits) == ("turboquant", 3.5)
 
 
 @pytest.mark.parametrize("name", ["builtin:tiny-qwen2-vl", "builtin:smollm2-135m-instruct"])

@@ -36,6 +36,7 @@ def test_baselines_through_the_same_call(llama):
     affine = make_prompt_cache(llama, kv_bits=4, kv_quant_scheme="affine", affine_group_size=32)
     assert [type(c) for c in affine] == [QuantizedKVCache] * 3
     assert (affine[0].bits, affine[0].group_size) == (4, 32)
+    assert make_prompt_cache(llama, kv_quant_scheme="affine")[0].bits == 4  # the README's call: affine's own default
 
 
 def test_sliding_window_layers_are_left_alone_and_generation_works():

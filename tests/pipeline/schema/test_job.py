@@ -99,7 +99,7 @@ engine: {kind: ray, address: auto, workers: 4, max_retries: 1, max_in_flight_per
         (BASE.replace("prompt: hi}", "prompt: hi, format: yaml}"), "tasks[0].format", "'text' or 'json'"),
         (BASE + "cache: {kv_bits: 5}\n", "cache.kv_bits", "choose one of 2, 2.5, 3, 3.5, 4"),
         (BASE + "cache: {kv_bits: 1.5}\n", "cache.kv_bits", "not allowed with turboquant"),
-        (BASE + "cache: {kv_quant_scheme: affine, kv_bits: 3.5}\n", "cache.kv_bits", "choose 4 or 8"),
+        (BASE + "cache: {kv_quant_scheme: affine, kv_bits: 3.5}\n", "cache.kv_bits", "choose one of 2, 3, 4, 5, 6, 8"),
         (BASE + "cache: {kv_quant_scheme: affine, kv_bits: 4, key_bits: 2}\n", "cache.key_bits", "turboquant"),
         (BASE + "cache: {key_bits: 7}\n", "cache.key_bits", "7 is not allowed"),
         (BASE + "cache: {quantizer: lattice}\n", "cache.quantizer", "scalar"),
@@ -235,3 +235,14 @@ def test_unknown_key_message_names_written_keys_only(jobdir):
     with pytest.raises(JobFileError) as e:
         load_job(p)
     assert str(e.value).endswith("allowed keys: name, prompt, max_tokens, temperature, format, fields, schema")
+
+
+def test_kv_bits_defaults_by_scheme():
+    """kv_quant_scheme: affine alone used to keep turboquant's 3.5, which affine
+    has no form of: the run failed where the job file had looked valid."""
+    from pipeline.schema.job import CacheSpec
+
+    assert CacheSpec().kv_bits == 3.5 and CacheSpec(kv_quant_scheme="fp16").kv_bits == 3.5
+    assert CacheSpec(kv_quant_scheme="affine").kv_bits == 4
+    assert CacheSpec(kv_quant_scheme="affine", kv_bits=2).kv_bits == 2  # every width the policy takes
+
