@@ -111,8 +111,9 @@ def _verbose_option(f):
     return click.option("-v", "--verbose", is_flag=True, help="Debug logging and tracebacks.")(f)
 
 
-def _override_options(f):
-    """The flags mlx-vlm / mlx-lm / olmocr users already type; each overrides the job file."""
+def _config_options(f):
+    """The overrides that shape records (their config hash): the runs' own
+    flags, so status, export and report can name the config a run used."""
     opts = [
         click.option("--model", default=None, help="Model folder or hub id (overrides model.path)."),
         click.option("--kv-bits", type=float, default=None, help="KV cache bits, e.g. 3.5 (overrides cache.kv_bits)."),
@@ -121,6 +122,15 @@ def _override_options(f):
         click.option("--kv-key-bits", type=int, default=None, help="TurboQuant key bits (overrides cache.key_bits)."),
         click.option("--kv-value-bits", type=int, default=None, help="TurboQuant value bits (overrides cache.value_bits)."),
         click.option("--max-tokens", type=click.IntRange(min=1), default=None, help="Answer budget of every task."),
+    ]
+    for opt in reversed(opts):
+        f = opt(f)
+    return f
+
+
+def _override_options(f):
+    """The flags mlx-vlm / mlx-lm / olmocr users already type; each overrides the job file."""
+    opts = [
         click.option("--prompt", default=None, help="Ask this one question instead of the job's tasks (one-off mode: required)."),
         click.option("--format", "fmt", type=click.Choice(["text", "json"]), default=None, help="Answer format of --prompt."),
         click.option("--fields", default=None, help="JSON keys of the --prompt answer, comma-separated (implies --format json)."),
@@ -128,7 +138,18 @@ def _override_options(f):
     ]
     for opt in reversed(opts):
         f = opt(f)
-    return f
+    return _config_options(f)
+
+
+def _overrides(flags: dict):
+    """The parsed ``_config_options`` / ``_override_options`` flags (exit 2 on a bad one)."""
+    from pipeline.schema.overrides import OverrideError, Overrides, parse_fields
+
+    try:
+        fields, fmt = parse_fields(flags.pop("fields", None)), flags.pop("fmt", None)
+        return Overrides(fields=fields, format=fmt, **flags)
+    except OverrideError as e:
+        _fail(str(e), EXIT_USAGE)
 
 
 @main.command(epilog=EXIT_CODES_HELP)
@@ -153,13 +174,9 @@ def run(targets: tuple[str, ...], pages: str | None, dry_run: bool, retry_failed
     Progress: tqdm bars on a terminal, plain log lines otherwise (cron).
     """
     from pipeline.run.progress import configure_logging
-    from pipeline.schema.overrides import OverrideError, Overrides, parse_fields
 
     configure_logging(verbose)
-    try:
-        ov = Overrides(fields=parse_fields(flags.pop("fields")), format=flags.pop("fmt"), **flags)
-    except OverrideError as e:
-        _fail(str(e), EXIT_USAGE)
+    ov = _overrides(flags)
     oneoff = _is_oneoff(targets)
     with _oneoff_output(oneoff and ov.output is None) as scratch:
         job = _load_oneoff(list(targets), ov, scratch, pages) if oneoff else _load(targets[0], pages, ov)
@@ -351,18 +368,20 @@ def watch(inbox: str, job_file: str, settle: float, poll: float, pages: str | No
 @main.command(epilog=EXIT_CODES_HELP)
 @click.argument("job_file", metavar="JOB", type=click.Path(dir_okay=False))
 @click.option("--pages", help="The --pages the runs used (it is part of each record's key).")
+@_override_options
 @click.option("--json", "as_json", is_flag=True, help="Print the counts as one JSON object.")
-def status(job_file: str, pages: str | None, as_json: bool) -> None:
+def status(job_file: str, pages: str | None, as_json: bool, **flags) -> None:
     """Progress of JOB from its results file: done, failed, pending.
 
     Pending = (document, task) pairs of the current job and config with no
-    record yet.  Reads only; safe while a run is going.
+    record yet; give the override flags the runs used (--kv-bits, --pages,
+    ...) to count under their config.  Reads only; safe while a run is going.
     """
     from pipeline.inputs.discover import discover
     from pipeline.output.results_log import read_index, summarize
     from pipeline.run.plan import WorkPlan
 
-    job = _load(job_file, pages, check_inputs=False, paths_exist=True)  # a gone input is still an error
+    job = _load(job_file, pages, _overrides(flags), check_inputs=False, paths_exist=True)  # a gone input is still an error
     index = read_index(job.output_path)
     refs = discover(job)
     # No documents of its own (inputs: [], or an empty folder): a job tqpipe
@@ -439,12 +458,17 @@ def validate(job_file: str) -> None:
 @click.option("--format", "fmt", type=click.Choice(["markdown", "csv", "parquet"]), required=True,
               help="markdown: one section per document; csv/parquet: one row per document x task.")
 @click.option("-o", "--output", default=None, help="File to write (default: the results file with .md/.csv/.parquet).")
-def export(job_file: str, fmt: str, output: str | None) -> None:
-    """Write JOB's results as Markdown, CSV or Parquet (parquet needs pyarrow: tqpipe[parquet])."""
+@click.option("--pages", help="The --pages the runs used (it is part of each record's key).")
+@_config_options
+def export(job_file: str, fmt: str, output: str | None, pages: str | None, **flags) -> None:
+    """Write JOB's results as Markdown, CSV or Parquet (parquet needs pyarrow: tqpipe[parquet]).
+
+    The records of the job's current tasks and config: give the config
+    flags the runs used (--kv-bits, --pages, ...) to export theirs."""
     from pipeline.output.export import SUFFIX, ExportError
     from pipeline.output.export import export as write_export
 
-    job = _load(job_file, check_inputs=False)
+    job = _load(job_file, pages, _overrides(flags), check_inputs=False)
     out = _derived_output(job, output, SUFFIX[fmt])
     try:
         n = write_export(job.output_path, fmt, out, job_name=job.spec.name, current=_is_current(job))
@@ -479,12 +503,17 @@ def _derived_output(job, output: str | None, suffix: str) -> Path:
 @main.command(epilog=EXIT_CODES_HELP)
 @click.argument("job_file", metavar="JOB", type=click.Path(dir_okay=False))
 @click.option("-o", "--output", default=None, help="HTML file to write (default: the results file with .html).")
-def report(job_file: str, output: str | None) -> None:
-    """Write one self-contained HTML page for JOB's results: counts, a KV-bytes plot, every document."""
+@click.option("--pages", help="The --pages the runs used (it is part of each record's key).")
+@_config_options
+def report(job_file: str, output: str | None, pages: str | None, **flags) -> None:
+    """Write one self-contained HTML page for JOB's results: counts, a KV-bytes plot, every document.
+
+    The records of the job's current tasks and config: give the override
+    flags the runs used (--kv-bits, --pages, ...) to report theirs."""
     from pipeline.output.export import ExportError
     from pipeline.output.report import write_report
 
-    job = _load(job_file, check_inputs=False)
+    job = _load(job_file, pages, _overrides(flags), check_inputs=False)
     out = _derived_output(job, output, ".html")
     try:
         n = write_report(job.output_path, out, job_name=job.spec.name, current=_is_current(job))

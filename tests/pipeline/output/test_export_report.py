@@ -210,3 +210,25 @@ def test_report_renders_in_headless_chromium_with_a_screenshot(run_dir, tmp_path
     colors = img.getcolors(maxcolors=1 << 20)
     assert colors is not None and len(colors) > 50  # text, lines and points, not a blank page
     assert any(abs(r - 0xD9) < 30 and abs(g - 0x48) < 30 and b < 60 for _, (r, g, b) in colors)  # the cache's line
+
+
+def test_status_export_and_report_take_the_flags_a_run_used(tmp_path, tiny_vlm_dir):
+    """Records of a run with overrides carry that config's keys: status,
+    export and report find them when given the same flags (without them,
+    the job file's config, whose records are still pending)."""
+    (tmp_path / "docs").mkdir()
+    make_text_pdf(tmp_path / "docs" / "d.pdf", ["Document."])
+    job = tmp_path / "job.yaml"
+    job.write_text(f"name: ov\ninputs: [docs/]\nmodel: {{path: '{tiny_vlm_dir}'}}\n"
+                   "tasks: [{name: s, prompt: 'Summarize.', max_tokens: 2}]\noutput: out/r.jsonl\n")
+    flags = ["--kv-bits", "4", "--max-tokens", "3", "--pages", "1"]
+    assert CliRunner().invoke(main, ["run", str(job), *flags, "--no-progress"]).exit_code == 0
+    r = CliRunner().invoke(main, ["status", str(job)])
+    assert "pending 1" in r.output and "1 stale" in r.output, r.output
+    r = CliRunner().invoke(main, ["status", str(job), *flags])
+    assert r.exit_code == 0 and "done 1, failed 0, pending 0" in r.output, r.output
+    assert CliRunner().invoke(main, ["export", str(job), "--format", "csv"]).exit_code == 2
+    r = CliRunner().invoke(main, ["export", str(job), "--format", "csv", *flags])
+    assert r.exit_code == 0 and r.output.startswith("1 records"), r.output
+    r = CliRunner().invoke(main, ["report", str(job), *flags])
+    assert r.exit_code == 0 and "1 records" in r.output, r.output
