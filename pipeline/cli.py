@@ -51,7 +51,7 @@ if TYPE_CHECKING:
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_LOCKED, EXIT_RUN = 0, 1, 2, 3, 4
 EXIT_CODES_HELP = (
     "\b\nExit codes:\n"
-    "  0  all documents x tasks done\n"
+    "  0  all documents x tasks done (status: none failed)\n"
     "  1  at least one document failed (error records written;\n"
     "     with strict: true also records with warnings)\n"
     "  2  bad job file or usage error (nothing run)\n"
@@ -373,6 +373,9 @@ def watch(inbox: str, job_file: str, settle: float, poll: float, pages: str | No
 def status(job_file: str, pages: str | None, as_json: bool, **flags) -> None:
     """Progress of JOB from its results file: done, failed, pending.
 
+    Exit 0 when nothing failed (pending pairs are work left, not failures:
+    the counts say how many), 1 when something did.
+
     Pending = (document, task) pairs of the current job and config with no
     record yet; give the override flags the runs used (--kv-bits, --pages,
     ...) to count under their config.  Reads only; safe while a run is going.
@@ -670,9 +673,9 @@ def cache_rm(entries: tuple[str, ...], remove_all: bool, job_file: str | None, p
     gone = store.remove([e.name for e in store.entries()] if remove_all else entries)
     click.echo(f"removed {len(gone)} entries from {store.root}", err=True)
     unmatched = [e for e in entries if not any(g.startswith(e) for g in gone)]
-    if unmatched and not remove_all:
-        click.echo(f"no entry matches: {', '.join(unmatched)} (tqpipe cache ls lists them)", err=True)
-    sys.exit(EXIT_OK if gone or remove_all else EXIT_FAILED)
+    if unmatched and not remove_all:  # an id that names nothing is the command line's fault (exit 2)
+        _fail(f"no entry matches: {', '.join(unmatched)} (tqpipe cache ls lists them)", EXIT_USAGE)
+    sys.exit(EXIT_OK)
 
 
 @cache.command("prune")

@@ -66,7 +66,7 @@ def test_added_task_loads_the_stored_caches_then_ask_and_cache_commands(tmp_path
     assert rm.exit_code == 0 and len(list((tmp_path / "store").glob("*.safetensors"))) == 1
     assert invoke("cache", "rm", "--job", str(job)).exit_code == 2  # nothing named
     again = invoke("cache", "rm", rows[0]["entry"][:10], "zzzz", "--job", str(job))
-    assert again.exit_code == 1 and f"no entry matches: {rows[0]['entry'][:10]}, zzzz" in again.stderr
+    assert again.exit_code == 2 and f"no entry matches: {rows[0]['entry'][:10]}, zzzz" in again.stderr
     typo = invoke("cache", "ls", "--path", str(tmp_path / "stroe"))
     assert typo.exit_code == 2 and "--path: " in typo.stderr and "is not a folder" in typo.stderr
     assert invoke("cache", "prune", "--max-gb", "0", "--path", str(tmp_path / "store")).exit_code == 0
