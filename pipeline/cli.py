@@ -420,7 +420,7 @@ def status(job_file: str, pages: str | None, as_json: bool, **flags) -> None:
 @click.argument("job_file", metavar="JOB", type=click.Path(dir_okay=False))
 def validate(job_file: str) -> None:
     """Check JOB (schema, inputs, model path, output file) without running anything."""
-    from pipeline.inputs.discover import discover, unsupported_files
+    from pipeline.inputs.discover import discover, unread_entries, unsupported_files
     from pipeline.output.target import check_output, unwritable
 
     job = _load(job_file, check_inputs=False, paths_exist=True)
@@ -445,6 +445,8 @@ def validate(job_file: str) -> None:
     if passed_over:
         names = ", ".join(shown(p) for p in passed_over[:5]) + (", ..." if len(passed_over) > 5 else "")
         click.echo(f"  passed over: {len(passed_over)} file(s) in input folders that are neither PDF nor image: {names}")
+    for entry, why in unread_entries(job):
+        click.echo(f"  not read:  {shown(entry)}: {why}")
     click.echo(f"  tasks:     {', '.join(t.name + (' (json)' if t.format == 'json' else '') for t in spec.tasks)}")
     click.echo(f"  model:     {spec.model.path or 'built-in (SmolLM2-135M-Instruct; scanned pages are read by OCR)'}")
     click.echo(f"  cache:     {cache.kv_quant_scheme}{bits}, prefill chunk {cache.prefill_chunk}")

@@ -67,6 +67,31 @@ def unsupported_files(job: Job) -> list[Path]:
     return out
 
 
+def unread_entries(job: Job) -> list[tuple[Path, str]]:
+    """Entries of the job's input folders that look like documents but are
+    not read, each with why: a sub-folder holding PDFs (folders are read one
+    level deep: their PDFs, and each sub-folder of images as an image set)
+    and a document name that is a symlink to nothing.  ``validate`` and
+    ``run`` name them, so no document is left out without a word."""
+    out: list[tuple[Path, str]] = []
+    for item in job.spec.inputs:
+        if isinstance(item, ImageSetInput):
+            continue
+        target = job.resolve(item)
+        if not target.is_dir():
+            continue
+        for c in sorted(target.iterdir(), key=natural_key):
+            if not _visible(c):
+                continue
+            if c.is_symlink() and not c.exists() and c.suffix.lower() in PDF_SUFFIXES | IMAGE_SUFFIXES:
+                out.append((c, "a symlink to nothing"))
+            elif c.is_dir() and not _images(c.iterdir()) and any(
+                    _visible(g) and g.suffix.lower() in PDF_SUFFIXES for g in c.rglob("*")):
+                out.append((c, f"a folder of PDFs, not searched (name it in inputs:, or a glob such as "
+                               f"'{item.rstrip('/')}/**/*.pdf')"))
+    return out
+
+
 def expand_input(job: Job, item: str | ImageSetInput) -> list[DocumentRef]:
     """The documents one ``inputs:`` entry names (possibly none).
 

@@ -16,7 +16,7 @@ from typing import Callable, Sequence
 from pipeline.inference.engines import Engines
 from pipeline.inference.kv_size import describe
 from pipeline.inference.prompt import DocumentPrompt
-from pipeline.inputs.discover import DocumentRef, discover, unsupported_files
+from pipeline.inputs.discover import DocumentRef, discover, unread_entries, unsupported_files
 from pipeline.output.lock import JobLock
 from pipeline.output.render import same_content_record
 from pipeline.output.target import check_output
@@ -124,6 +124,8 @@ def run_job(
         if passed_over:
             logger.info("%s: %d file(s) in input folders are neither PDF nor image, passed over: %s", job.spec.name,
                         len(passed_over), ", ".join(shown(p) for p in passed_over[:10]))
+        for entry, why in unread_entries(job):
+            logger.warning("%s: not read: %s: %s", job.spec.name, shown(entry), why)
     refs = list(refs)
     summary = RunSummary(documents=len(refs), strict=job.spec.strict)
     if dry_run:

@@ -108,6 +108,22 @@ def test_validate_names_files_a_folder_input_passes_over(tmp_path, tiny_vlm_dir)
             f"{tmp_path / 'docs' / 'notes.txt'}, {tmp_path / 'docs' / 'prog.exe'}") in r.output
 
 
+def test_validate_and_run_name_sub_folders_of_pdfs_and_dangling_links(tmp_path, tiny_vlm_dir, caplog):
+    """Folders are read one level deep: PDFs below that, and a document name
+    that links to nothing, are not read, and validate and run say so."""
+    job = make_job(tmp_path, tiny_vlm_dir, docs=1)
+    (tmp_path / "docs" / "archive" / "2023").mkdir(parents=True)
+    make_text_pdf(tmp_path / "docs" / "archive" / "2023" / "old.pdf", ["Old."])
+    (tmp_path / "docs" / "gone.pdf").symlink_to(tmp_path / "nowhere.pdf")
+    r = CliRunner().invoke(main, ["validate", str(job)])
+    assert r.exit_code == 0 and "documents: 1 (1 PDF" in r.output, r.output
+    assert f"not read:  {tmp_path / 'docs' / 'archive'}: a folder of PDFs, not searched" in r.output
+    assert "'docs/**/*.pdf'" in r.output and f"not read:  {tmp_path / 'docs' / 'gone.pdf'}: a symlink to nothing" in r.output
+    with caplog.at_level("WARNING"):
+        assert CliRunner().invoke(main, ["run", str(job), "--no-progress"]).exit_code == 0
+    assert "not read: " in caplog.text and "a folder of PDFs" in caplog.text and "a symlink to nothing" in caplog.text
+
+
 def test_validate_accepts_a_watch_job_and_still_refuses_an_empty_input(tmp_path, tiny_vlm_dir):
     """inputs: [] is a job tqpipe watch feeds (README): validate says so and
     exits 0; an input that matches nothing is still an error."""
