@@ -311,6 +311,7 @@ class ResultLog:
             raise CheckpointError(
                 f"{self.path}: record {key} of {shown(record.get('source', '?'))} cannot be serialized: {e}") from e
         fd = self._fd
+        self._check_same_file(key, written=False)
         before = os.fstat(fd).st_size
         try:
             view = memoryview(line)
@@ -326,7 +327,24 @@ class ResultLog:
                 f"{self.path}: could not write record {key}: {e.strerror or e};"
                 f" the file was restored to its previous {before} bytes"
             ) from e
+        self._check_same_file(key, written=True)
         self._note(record)
+
+    def _check_same_file(self, key: str, *, written: bool) -> None:
+        """The path must still name the file this run appends to: an editor's
+        save (write a copy, rename it over) or a ``mv`` would send every
+        later record to an unlinked file while the run reported success."""
+        held = os.fstat(self._fd)
+        try:
+            now = os.stat(self.path)
+            same = (now.st_dev, now.st_ino) == (held.st_dev, held.st_ino)
+        except OSError:
+            same = False
+        if not same:
+            self._broken = (f"{self.path} was replaced or removed while this run appended to it"
+                            f"{f'; record {key} went to the old file' if written else ''}; "
+                            "a plain rerun redoes what the file now lacks")
+            raise CheckpointError(self._broken)
 
     def _rollback(self, size: int, cause: BaseException) -> None:
         try:

@@ -57,6 +57,31 @@ def test_append_reopen_and_done_keys(tmp_path):
     assert latest_records(path)[rec(3)["key"]]["status"] == "ok"
 
 
+@pytest.mark.parametrize("how", ["editor save", "removed"])
+def test_a_results_file_replaced_mid_run_stops_the_appends(tmp_path, how):
+    """An editor's save (copy, rename over) or a removal while a run appends:
+    the next record is refused (CheckpointError: the run exits 4) instead of
+    going to the unlinked old file while the run reports success."""
+    path = tmp_path / "out.jsonl"
+    with ResultLog(path) as log:
+        log.append(rec(0))
+        if how == "editor save":
+            tmp = tmp_path / "out.jsonl.tmp"
+            tmp.write_bytes(path.read_bytes())
+            os.replace(tmp, path)
+        else:
+            path.unlink()
+        with pytest.raises(CheckpointError, match="was replaced or removed while this run appended"):
+            log.append(rec(1))
+        with pytest.raises(CheckpointError):  # and every later one
+            log.append(rec(2))
+    if how == "editor save":
+        assert [orjson.loads(x)["key"] for x in lines(path)] == [rec(0)["key"]]
+        with ResultLog(path) as log:  # a rerun appends to the file as it now is
+            log.append(rec(1))
+        assert len(lines(path)) == 2
+
+
 def test_append_requires_open_and_a_key(tmp_path):
     log = ResultLog(tmp_path / "o.jsonl")
     with pytest.raises(CheckpointError, match="before open"):
