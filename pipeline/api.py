@@ -17,6 +17,7 @@ so a record written from Python is the record the CLI would write.
 
 from __future__ import annotations
 
+import dataclasses
 import tempfile
 from pathlib import Path
 from typing import Any, Sequence
@@ -26,7 +27,7 @@ from pipeline.output.results_log import latest_records
 from pipeline.run.runner import RunSummary
 from pipeline.run.runner import run_job as _run_job
 from pipeline.schema.job import Job, with_pages
-from pipeline.schema.overrides import Overrides, apply_overrides
+from pipeline.schema.overrides import OverrideError, Overrides, apply_overrides
 
 
 def load_job(path: str | Path, *, pages: str | None = None, **overrides: Any) -> Job:
@@ -38,6 +39,12 @@ def load_job(path: str | Path, *, pages: str | None = None, **overrides: Any) ->
     :class:`~pipeline.schema.overrides.OverrideError` with the same one-line
     messages the CLI prints.
     """
+    known = {f.name for f in dataclasses.fields(Overrides)}
+    unknown = sorted(set(overrides) - known)
+    if unknown:
+        raise OverrideError(f"load_job: {', '.join(unknown)} {'is' if len(unknown) == 1 else 'are'} not a job "
+                            f"override; they are {', '.join(sorted(known))} (engine, workers and address "
+                            f"are the job file's engine: settings)")
     job = with_pages(_load_job_file(path), pages)
     if overrides:
         fields = overrides.pop("fields", None)

@@ -47,6 +47,11 @@ def check_output(job: Job, refs: Iterable[DocumentRef] | None = None) -> Path:
     if out.is_symlink() and not real.exists():
         refuse("is a symlink to nothing")
     if not real.exists():
+        above = real.parent
+        while not above.exists():
+            above = above.parent
+        if not above.is_dir():
+            refuse(f"cannot be created: {shown(above)} is a file, not a folder")
         return real
     if real.is_dir():
         refuse("is a folder")

@@ -47,6 +47,8 @@ def test_load_run_read_and_ask(tmp_path, tiny_vlm_dir, monkeypatch):
     assert rec["cache"]["kv_bits"] == 3.5 and [r["cache"]["kv_bits"] for r in read_results(job)] == [4]
     with pytest.raises(OverrideError, match="--kv-bits"):
         load_job(tmp_path / "job.yaml", kv_bits=3.3)
+    with pytest.raises(OverrideError, match="load_job: engine is not a job override; they are fields, format"):
+        load_job(tmp_path / "job.yaml", engine="ray")  # was a bare TypeError from the dataclass
     monkeypatch.chdir(tmp_path)
     records = ask_files(["docs/a.pdf"], "Who issued it?", fields=["issuer"], model=str(tiny_vlm_dir))
     assert [(r["doc_id"], r["task"], r["json"]["decoding"]) for r in records] == [("docs/a.pdf", "prompt", "constrained")]
