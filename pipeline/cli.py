@@ -476,7 +476,8 @@ def export(job_file: str, fmt: str, output: str | None, pages: str | None, **fla
     job = _load(job_file, pages, _overrides(flags), check_inputs=False)
     out = _derived_output(job, output, SUFFIX[fmt])
     try:
-        n = write_export(job.output_path, fmt, out, job_name=job.spec.name, current=_is_current(job))
+        n = write_export(job.output_path, fmt, out, job_name=job.spec.name, current=_is_current(job),
+                         task_order=[t.name for t in job.spec.tasks])
     except ExportError as e:
         _fail(str(e), EXIT_USAGE)
     except OSError as e:
@@ -521,7 +522,8 @@ def report(job_file: str, output: str | None, pages: str | None, **flags) -> Non
     job = _load(job_file, pages, _overrides(flags), check_inputs=False)
     out = _derived_output(job, output, ".html")
     try:
-        n = write_report(job.output_path, out, job_name=job.spec.name, current=_is_current(job))
+        n = write_report(job.output_path, out, job_name=job.spec.name, current=_is_current(job),
+                         task_order=[t.name for t in job.spec.tasks])
     except ExportError as e:
         _fail(str(e), EXIT_USAGE)
     except OSError as e:
@@ -609,6 +611,11 @@ def ask(file: str, prompt: str, job_file: str | None, model: str | None, max_tok
                + (" (document not read)" if store.get("ingest") == "skipped" else "") if store["hit"]
                else f"prefilled in {record['timing']['prefill_s']:.1f} s" + (", cache stored" if store.get("saved") else ""))
         click.echo(f"{record['tokens']['document']} document tokens, {how}", err=True)
+    others = [w for w in record.get("warnings") or [] if w != "answer_truncated"]
+    if record.get("finish_reason") == "length":
+        click.echo(f"the answer stopped at --max-tokens {max_tokens}; raise it for the rest", err=True)
+    if others:
+        click.echo(f"warnings: {', '.join(others)}", err=True)
     sys.exit(EXIT_OK)
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import csv
 import io
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Sequence
 
 import orjson
 
@@ -42,17 +42,20 @@ class ExportError(TqpipeError):
     """An export that cannot be written (no records, pyarrow missing)."""
 
 
-def records_for_export(results: Path, current: Callable[[str], bool] | None = None) -> list[dict]:
-    """The counting record of each key, ordered by document then task;
-    with ``current`` (true for the keys of the job's present tasks and
-    config), only those: a record of an edited task or an older config is
-    stale, and would otherwise show a (document, task) twice."""
+def records_for_export(results: Path, current: Callable[[str], bool] | None = None,
+                       task_order: Sequence[str] = ()) -> list[dict]:
+    """The counting record of each key, ordered by document, then by task in
+    ``task_order`` (the job's order; others after, by name); with
+    ``current`` (true for the keys of the job's present tasks and config),
+    only those: a record of an edited task or an older config is stale, and
+    would otherwise show a (document, task) twice."""
     latest = latest_records(results)
     records = [r for k, r in latest.items() if current is None or current(k)]
     if not records:
         stale = f" ({len(latest)} records of older tasks or configs)" if latest else ""
         raise ExportError(f"{results}: no results yet for the job's current tasks and config{stale} (run the job first)")
-    return sorted(records, key=lambda r: (r.get("doc_id", ""), r.get("task", "")))
+    rank = {name: i for i, name in enumerate(task_order)}
+    return sorted(records, key=lambda r: (r.get("doc_id", ""), rank.get(r.get("task"), len(rank)), r.get("task", "")))
 
 
 def _get(rec: dict, *path: str) -> Any:
@@ -166,12 +169,13 @@ def to_markdown(records: Iterable[dict], job_name: str) -> bytes:
     return "\n".join(lines).encode("utf-8")
 
 
-def export(results: Path, fmt: str, out: Path, *, job_name: str, current: Callable[[str], bool] | None = None) -> int:
+def export(results: Path, fmt: str, out: Path, *, job_name: str, current: Callable[[str], bool] | None = None,
+           task_order: Sequence[str] = ()) -> int:
     """Write ``results`` (the ``current`` keys, see :func:`records_for_export`)
     as ``fmt`` to ``out``; return the number of records exported."""
     if fmt not in FORMATS:
         raise ExportError(f"unknown export format {fmt!r}; choose one of {', '.join(FORMATS)}")
-    records = records_for_export(results, current)
+    records = records_for_export(results, current, task_order)
     out.parent.mkdir(parents=True, exist_ok=True)
     if fmt == "parquet":
         write_whole(out, lambda path: to_parquet(records, path))

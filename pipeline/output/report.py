@@ -18,7 +18,7 @@ from __future__ import annotations
 import html
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import orjson
 
@@ -217,10 +217,11 @@ document.body.dataset.rendered = String(document.querySelectorAll("#docs tbody t
 """
 
 
-def write_report(results: Path, out: Path, *, job_name: str, current: Callable[[str], bool] | None = None) -> int:
+def write_report(results: Path, out: Path, *, job_name: str, current: Callable[[str], bool] | None = None,
+                 task_order: Sequence[str] = ()) -> int:
     """Write the report for ``results`` (the ``current`` keys) to ``out``;
     return the number of records shown."""
-    records = records_for_export(results, current)
+    records = records_for_export(results, current, task_order)
     out.parent.mkdir(parents=True, exist_ok=True)
     page = render_report(records, job_name=job_name, results=results)
     write_whole(out, lambda path: path.write_text(page, encoding="utf-8"))

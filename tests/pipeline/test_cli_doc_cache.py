@@ -90,6 +90,9 @@ def test_ask_plain_output_and_a_store_that_is_off(tmp_path, tiny_vlm_dir):
     make_text_pdf(tmp_path / "a.pdf", ["Page one."])
     r = invoke("ask", str(tmp_path / "a.pdf"), "--prompt", "Hi?", "--model", str(tiny_vlm_dir), "--max-tokens", "2")
     assert r.exit_code == 0 and "document tokens, prefilled in" in r.output
+    # a cut-off answer and the record's other warnings are said, not only kept in --json
+    assert "the answer stopped at --max-tokens 2; raise it for the rest" in r.stderr
+    assert "warnings: random_weights" in r.stderr
     job = tmp_path / "off.yaml"
     job.write_text("name: off\ninputs: [a.pdf]\ntasks: [{name: a, prompt: p}]\noutput: o.jsonl\ncache_store: {max_gb: 0}\n")
     assert invoke("cache", "ls", "--job", str(job)).exit_code == 2

@@ -61,6 +61,9 @@ def test_markdown_has_a_section_per_document_and_task(run_dir, tmp_path):
     assert export(run_dir / "out" / "results.jsonl", "markdown", out, job_name="exp") == 6
     text = out.read_text()
     assert text.startswith("# exp\n") and text.count("\n## ") == 3 and text.count("\n### ") == 6
+    export(run_dir / "out" / "results.jsonl", "markdown", out, job_name="exp", task_order=["summary", "fields"])
+    tasks = [x for x in out.read_text().splitlines() if x.startswith("### ")]
+    assert tasks[:2] == ["### summary", "### fields"]  # the job's order, not the alphabet's
     assert "```json" in text and "> **failed** (ingest)" in text
     assert "> warnings: " in text and "answer_truncated" in text  # what may be wrong is said beside the answer
 
