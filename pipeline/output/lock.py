@@ -66,7 +66,10 @@ class JobLock:
         except Timeout:
             raise LockHeldError(self.path, self._describe_holder()) from None
         except OSError as e:  # read-only or missing folder: the run cannot proceed (exit 4)
-            raise CheckpointError(f"{self.path}: cannot create lock file: {e.strerror or e}") from e
+            from pipeline.output.target import unwritable
+
+            why = unwritable(self.path) or e.strerror or str(e)  # names a file blocking the folder, say
+            raise CheckpointError(f"{self.path}: cannot create lock file: {why}") from e
         self._write_owner()
         logger.debug("%s: acquired", self.path)
         return self

@@ -47,11 +47,6 @@ def check_output(job: Job, refs: Iterable[DocumentRef] | None = None) -> Path:
     if out.is_symlink() and not real.exists():
         refuse("is a symlink to nothing")
     if not real.exists():
-        above = real.parent
-        while not above.exists():
-            above = above.parent
-        if not above.is_dir():
-            refuse(f"cannot be created: {shown(above)} is a file, not a folder")
         return real
     if real.is_dir():
         refuse("is a folder")
@@ -107,6 +102,8 @@ def unwritable(path: Path) -> str | None:
     folder = path if path.is_dir() else path.parent
     while not folder.exists():  # a folder the run will create: its nearest existing ancestor decides
         folder = folder.parent
+    if not folder.is_dir():
+        return f"{shown(folder)} is a file where a folder of the output's path would have to be"
     try:
         if os.statvfs(folder).f_flag & os.ST_RDONLY:
             return f"{shown(folder)} is on a read-only file system"

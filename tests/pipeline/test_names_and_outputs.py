@@ -126,7 +126,6 @@ def one_doc(tmp_path):
     ("notes.jsonl", "is not a tqpipe results file (none of its first lines is a tqpipe record)"),
     ("link.jsonl", "is an input document of this job (docs/a.pdf)"),
     ("dangling.jsonl", "is a symlink to nothing"),
-    ("notes.jsonl/out.jsonl", "cannot be created: "),  # a file where its folder would have to be
 ])
 def test_output_refuses_other_files_with_one_line_exit_2(tmp_path, one_doc, tiny_vlm_dir, output, reason):
     (tmp_path / "notes.jsonl").write_text('{"note": "someone else\'s data"}\n')

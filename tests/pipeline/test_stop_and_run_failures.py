@@ -125,6 +125,9 @@ def test_output_folder_that_cannot_be_created_exits_4(tmp_path, tiny_vlm_dir):
     job = make_job(tmp_path, tiny_vlm_dir, output="blocker/results.jsonl")
     r = CliRunner().invoke(main, ["run", str(job), "--no-progress"])
     assert r.exit_code == 4 and "blocker" in r.output and len(r.output.strip().splitlines()) == 1, r.output
+    assert "is a file where a folder of the output's path would have to be" in r.output  # not 'File exists'
+    r = CliRunner().invoke(main, ["validate", str(job)])
+    assert r.exit_code == 4 and "is a file where a folder" in r.output, r.output  # not 'is not writable'
 
 
 def test_full_disk_exits_4_and_rolls_back(tmp_path, tiny_vlm_dir, monkeypatch):
