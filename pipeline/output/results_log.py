@@ -134,10 +134,14 @@ class KeyIndex:
         self._latest_ok_warnings: dict[str, tuple[str, ...]] = {}  # key -> warnings of its latest ok record
         self._errors: dict[str, tuple[int, bool]] = {}  # failed key -> (error records, last one transient)
         self._sources: dict[str, tuple[str, str | None]] = {}  # key -> (source, source_b64) of its last record
+        self._last: dict[str, int] = {}  # key -> position of its last record in the file
+        self._seen = 0
 
     def note(self, record: dict) -> None:
         """Account for one record, in file order."""
         key, status = record["key"], record.get("status")
+        self._seen += 1
+        self._last[key] = self._seen
         if isinstance(record.get("source"), str):
             self._sources[key] = (record["source"], record.get("source_b64"))
         if status == "ok":
@@ -148,6 +152,20 @@ class KeyIndex:
             n, _ = self._errors.get(key, (0, False))
             error = record.get("error")
             self._errors[key] = (n + 1, isinstance(error, dict) and bool(error.get("transient")))
+
+    def latest_per_name(self, keys: set[str]) -> set[str]:
+        """Of ``keys``, the one recorded last for each (source, task and
+        config): what a watched inbox means by a file's result.  A
+        half-copied file that failed and was then processed whole, or an
+        image folder that grew, leaves records under an older content hash
+        that its newer result supersedes."""
+        latest: dict[tuple, str] = {}
+        for key in keys:
+            name = (self._sources.get(key), key.split("/", 1)[-1])
+            held = latest.get(name)
+            if held is None or self._last.get(key, 0) > self._last.get(held, 0):
+                latest[name] = key
+        return set(latest.values())
 
     def is_done(self, key: str, *, include_failed: bool = True) -> bool:
         """True if ``key`` has an ok record, or an error record and
@@ -361,6 +379,20 @@ class ResultLog:
     # -- index -----------------------------------------------------------
     def _note(self, record: dict) -> None:
         self.index.note(record)
+
+    def latest_per_name(self, keys: set[str]) -> set[str]:
+        """Of ``keys``, the one recorded last for each (source, task and
+        config): what a watched inbox means by a file's result.  A
+        half-copied file that failed and was then processed whole, or an
+        image folder that grew, leaves records under an older content hash
+        that its newer result supersedes."""
+        latest: dict[tuple, str] = {}
+        for key in keys:
+            name = (self._sources.get(key), key.split("/", 1)[-1])
+            held = latest.get(name)
+            if held is None or self._last.get(key, 0) > self._last.get(held, 0):
+                latest[name] = key
+        return set(latest.values())
 
     def is_done(self, key: str, *, include_failed: bool = True) -> bool:
         """See :meth:`KeyIndex.is_done`."""

@@ -137,11 +137,13 @@ class WorkPlan:
         return key.split("/", 1)[-1] in self._suffixes
 
     def recorded_keys(self, index: KeyIndex) -> set[str]:
-        """The keys ``index`` holds under the job's current tasks and config:
-        what an inbox job (``inputs: []``, fed by ``tqpipe watch``) has
-        produced, since its documents are not listed anywhere the job file
-        could find them again."""
-        return {k for k in index.done_keys | index.failed_keys if self.is_current(k)}
+        """The keys ``index`` holds under the job's current tasks and config,
+        the latest per file name and task: what an inbox job (``inputs: []``,
+        fed by ``tqpipe watch``) has produced, since its documents are not
+        listed anywhere the job file could find them again.  An older
+        result for the same file (a half copy that failed, a folder before
+        its last image arrived) is superseded, not counted."""
+        return index.latest_per_name({k for k in index.done_keys | index.failed_keys if self.is_current(k)})
 
     def document(self, ref: DocumentRef, log: ResultLog) -> DocumentWork:
         """What is left of ``ref`` given the results in ``log`` (hashes the file, reads no pages)."""

@@ -104,3 +104,25 @@ def test_a_copy_dropped_later_gets_its_own_records(tmp_path, tiny_vlm_dir):
         ("a.pdf", None), ("b.pdf", "../inbox/a.pdf")]
     ledger = [(e["path"], e["status"]) for e in lines(tmp_path / "jobs" / "out" / "results.jsonl.inbox.jsonl")]
     assert ledger == [("a.pdf", "ok"), ("b.pdf", "duplicate")]
+
+
+def test_a_files_newer_result_supersedes_its_half_copy_in_status_and_export(tmp_path, tiny_vlm_dir):
+    """A half-copied PDF fails (its error record stays in the file), then the
+    whole copy is processed: the file's latest result is what status counts
+    and export shows, not a failure forever beside it."""
+    job = job_with_no_inputs(tmp_path / "jobs", tiny_vlm_dir)
+    inbox = tmp_path / "inbox"
+    inbox.mkdir()
+    make_text_pdf(tmp_path / "whole.pdf", ["A letter that arrives in two steps."])
+    data = (tmp_path / "whole.pdf").read_bytes()
+    args = ["watch", str(inbox), "--job", str(job), "--settle", "0", "--poll", "0.05", "--max-polls", "3"]
+    (inbox / "letter.pdf").write_bytes(data[:400])
+    assert CliRunner().invoke(main, args).exit_code == 1  # the half copy failed
+    (inbox / "letter.pdf").write_bytes(data)
+    assert CliRunner().invoke(main, args).exit_code == 0
+    recs = lines(tmp_path / "jobs" / "out" / "results.jsonl")
+    assert [x["status"] for x in recs] == ["error", "ok"]
+    r = CliRunner().invoke(main, ["status", str(job)])
+    assert r.exit_code == 0 and "done 1, failed 0" in r.output, r.output
+    r = CliRunner().invoke(main, ["export", str(job), "--format", "csv"])
+    assert r.exit_code == 0 and r.output.startswith("1 records"), r.output
