@@ -47,7 +47,7 @@ from contextlib import nullcontext
 from pathlib import Path
 
 from pipeline.errors import CheckpointError, IngestError, LockHeldError, RunError, TqpipeError
-from pipeline.inputs.discover import IMAGE_SUFFIXES, DocumentRef, content_hash, natural_key
+from pipeline.inputs.discover import IMAGE_SUFFIXES, PDF_SUFFIXES, DocumentRef, content_hash, natural_key
 from pipeline.output.lock import JobLock
 from pipeline.output.results_log import ResultLog
 from pipeline.schema.paths import path_b64, path_text, shown
@@ -187,13 +187,16 @@ class InboxWatcher:
             self._ledger = None
 
     # -- scanning --------------------------------------------------------
-    def _images_in(self, folder: Path) -> list[Path]:
+    def _documents_in(self, folder: Path) -> list[Path]:
+        """The images and PDFs of a dropped folder: what its signature and
+        digest cover (the run reads it as a job input folder: its PDFs, and
+        its images as an image set)."""
         return sorted((p for p in folder.iterdir() if p.is_file() and not _matches(p.name, TEMP_PATTERNS)
-                       and p.suffix.lower() in IMAGE_SUFFIXES), key=natural_key)
+                       and p.suffix.lower() in IMAGE_SUFFIXES | PDF_SUFFIXES), key=natural_key)
 
     def _signature(self, path: Path) -> Signature:
         if path.is_dir():
-            return tuple((p.name, (st := p.stat()).st_size, st.st_mtime_ns) for p in self._images_in(path))
+            return tuple((p.name, (st := p.stat()).st_size, st.st_mtime_ns) for p in self._documents_in(path))
         st = path.stat()
         return (st.st_size, st.st_mtime_ns)
 
@@ -208,7 +211,7 @@ class InboxWatcher:
                         continue
                     sig = self._signature(path)
                     if not sig:
-                        continue  # no images (yet)
+                        continue  # no images or PDFs (yet)
                 elif _matches(path.name, self.patterns):
                     sig = self._signature(path)
                     if sig[0] == 0:
@@ -232,7 +235,7 @@ class InboxWatcher:
 
     def _hash(self, path: Path) -> str:
         if path.is_dir():
-            ref = DocumentRef(source=path, kind="images", doc_id=path.name, members=tuple(self._images_in(path)))
+            ref = DocumentRef(source=path, kind="images", doc_id=path.name, members=tuple(self._documents_in(path)))
         elif path.suffix.lower() in IMAGE_SUFFIXES:
             ref = DocumentRef(source=path, kind="images", doc_id=path.name, members=(path,))
         else:

@@ -126,3 +126,20 @@ def test_a_files_newer_result_supersedes_its_half_copy_in_status_and_export(tmp_
     assert r.exit_code == 0 and "done 1, failed 0" in r.output, r.output
     r = CliRunner().invoke(main, ["export", str(job), "--format", "csv"])
     assert r.exit_code == 0 and r.output.startswith("1 records"), r.output
+
+
+def test_a_folder_of_pdfs_dropped_into_the_inbox_is_read(tmp_path, tiny_vlm_dir):
+    """A dropped folder is read as an input folder is: its PDFs, each a
+    document (it was skipped without a word for holding no images)."""
+    job = job_with_no_inputs(tmp_path / "jobs", tiny_vlm_dir)
+    inbox = tmp_path / "inbox"
+    (inbox / "batch").mkdir(parents=True)
+    for i in range(2):
+        make_text_pdf(inbox / "batch" / f"doc{i}.pdf", [f"Document {i} of the batch."])
+    args = ["watch", str(inbox), "--job", str(job), "--settle", "0", "--poll", "0.05", "--max-polls", "3"]
+    r = CliRunner().invoke(main, args)
+    assert r.exit_code == 0, r.output
+    recs = lines(tmp_path / "jobs" / "out" / "results.jsonl")
+    assert sorted(Path(x["source"]).name for x in recs if x["status"] == "ok") == ["doc0.pdf", "doc1.pdf"]
+    assert CliRunner().invoke(main, args).exit_code == 0  # handled once: a restart does not redo it
+    assert len(lines(tmp_path / "jobs" / "out" / "results.jsonl")) == 2
