@@ -380,20 +380,6 @@ class ResultLog:
     def _note(self, record: dict) -> None:
         self.index.note(record)
 
-    def latest_per_name(self, keys: set[str]) -> set[str]:
-        """Of ``keys``, the one recorded last for each (source, task and
-        config): what a watched inbox means by a file's result.  A
-        half-copied file that failed and was then processed whole, or an
-        image folder that grew, leaves records under an older content hash
-        that its newer result supersedes."""
-        latest: dict[tuple, str] = {}
-        for key in keys:
-            name = (self._sources.get(key), key.split("/", 1)[-1])
-            held = latest.get(name)
-            if held is None or self._last.get(key, 0) > self._last.get(held, 0):
-                latest[name] = key
-        return set(latest.values())
-
     def is_done(self, key: str, *, include_failed: bool = True) -> bool:
         """See :meth:`KeyIndex.is_done`."""
         return self.index.is_done(key, include_failed=include_failed)
