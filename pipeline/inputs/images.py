@@ -7,12 +7,16 @@ route says ``ocr`` (a text-only model, or ``images: ocr``).
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pipeline.errors import IngestError
 from pipeline.inputs.discover import DocumentRef
 from pipeline.inputs.document import Document, Page, ScannedRoute, read_pages
 from pipeline.inputs.ocr import ocr_image
 from pipeline.schema.job import ContextSpec
+
+if TYPE_CHECKING:
+    import PIL.Image
 
 
 def read_image_set(ref: DocumentRef, context: ContextSpec, digest: str, route: ScannedRoute = "image") -> Document:
@@ -60,7 +64,7 @@ def _read_image(path: Path, frame: int, number: int, route: ScannedRoute) -> tup
     return Page(number=number, text="", image=image, scanned=True, via="image"), notes
 
 
-def to_rgb(im: "Image.Image") -> "Image.Image":
+def to_rgb(im: "PIL.Image.Image") -> "PIL.Image.Image":
     """``im`` as 8-bit RGB.  Pillow's ``convert`` clips 16- and 32-bit
     grayscale (scanner output, ``I;16`` PNG / TIFF) at 255, which turns a
     whole page white; those are scaled by their range instead: 65535 for
