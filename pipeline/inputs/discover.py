@@ -9,6 +9,7 @@ glob of images) is ONE multi-page document, one image per page, natural order.
 from __future__ import annotations
 
 import glob
+import itertools
 import hashlib
 import os
 import re
@@ -85,8 +86,8 @@ def unread_entries(job: Job) -> list[tuple[Path, str]]:
                 continue
             if c.is_symlink() and not c.exists() and c.suffix.lower() in PDF_SUFFIXES | IMAGE_SUFFIXES:
                 out.append((c, "a symlink to nothing"))
-            elif c.is_dir() and not _images(c.iterdir()) and any(
-                    _visible(g) and g.suffix.lower() in PDF_SUFFIXES for g in c.rglob("*")):
+            elif c.is_dir() and not _images(c.iterdir()) and any(  # a bounded look: a huge tree is no input
+                    _visible(g) and g.suffix.lower() in PDF_SUFFIXES for g in itertools.islice(c.rglob("*"), 10_000)):
                 out.append((c, f"a folder of PDFs, not searched (name it in inputs:, or a glob such as "
                                f"'{item.rstrip('/')}/**/*.pdf')"))
     return out

@@ -1,4 +1,4 @@
-"""Image sets: one document of many images, one page per image, no text layer.
+"""Image sets: one document of many images, one page per image (per frame of a multi-page TIFF), no text layer.
 
 Each image goes to the model as an image, or as its OCR'd text when the
 route says ``ocr`` (a text-only model, or ``images: ocr``).
