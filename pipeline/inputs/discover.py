@@ -9,8 +9,8 @@ glob of images) is ONE multi-page document, one image per page, natural order.
 from __future__ import annotations
 
 import glob
-import itertools
 import hashlib
+import itertools
 import os
 import re
 from dataclasses import dataclass
