@@ -60,11 +60,12 @@ def run_job(job: Job, *, retry_failed: bool = False, progress: bool = False) -> 
 def read_results(job: Job) -> list[dict]:
     """The record that counts for each (document, task) of ``job`` as loaded
     (its tasks, config and overrides), in file order: records of an edited
-    task or an older config stay in the file but are not ``job``'s results,
-    as in ``tqpipe export``."""
+    task or an older config (or a watched file's superseded result) stay in
+    the file but are not ``job``'s results, as in ``tqpipe export``."""
+    from pipeline.output.results_log import read_index
     from pipeline.run.plan import WorkPlan
 
-    current = WorkPlan(job).is_current
+    current = WorkPlan(job).counts(read_index(job.output_path)[0])
     return [r for k, r in latest_records(job.output_path).items() if current(k)]
 
 

@@ -487,18 +487,11 @@ def export(job_file: str, fmt: str, output: str | None, pages: str | None, **fla
 
 
 def _is_current(job):
-    """Whether a record key is of the job's present tasks and config (what
-    status counts as done or failed; the rest is stale).  For a job tqpipe
-    watch feeds (no documents of its own), also the latest for its file
-    (``WorkPlan.recorded_keys``), as status counts."""
-    from pipeline.inputs.discover import discover
+    """Whether a record key is one of the job's results (``WorkPlan.counts``)."""
     from pipeline.output.results_log import read_index
     from pipeline.run.plan import WorkPlan
 
-    plan = WorkPlan(job)
-    if discover(job):
-        return plan.is_current
-    return plan.recorded_keys(read_index(job.output_path)[0]).__contains__
+    return WorkPlan(job).counts(read_index(job.output_path)[0])
 
 
 def _derived_output(job, output: str | None, suffix: str) -> Path:

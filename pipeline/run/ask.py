@@ -15,7 +15,7 @@ from pathlib import Path
 
 from pipeline.errors import JobFileError, TqpipeError
 from pipeline.schema.job import Job, JobSpec, TaskSpec
-from pipeline.schema.model_ref import model_path_problem
+from pipeline.schema.model_ref import command_line_model
 
 
 class AskUsageError(TqpipeError):
@@ -31,11 +31,10 @@ def ask_job(file: Path, prompt: str, *, base: Job | None = None, model: str | No
     update: dict = {"name": "ask", "inputs": [str(Path(file).resolve())],
                     "tasks": [TaskSpec(name="ask", prompt=prompt, max_tokens=max_tokens)]}
     if model is not None:  # relative to the working directory, as --model on run
-        local = Path.cwd() / Path(model).expanduser()
-        problem = model_path_problem(model, local)
-        if problem:
-            raise AskUsageError(f"--model: {problem}")
-        update["model"] = spec.model.model_copy(update={"path": str(local) if local.exists() else model})
+        try:
+            update["model"] = spec.model.model_copy(update={"path": command_line_model(model, Path.cwd())})
+        except ValueError as e:
+            raise AskUsageError(f"--model: {e}") from None
     if pages is not None:
         update["context"] = spec.context.model_copy(update={"pages": pages})
     spec = spec.model_copy(update=update)

@@ -16,10 +16,10 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 from pipeline.errors import IngestError
-from pipeline.inputs.discover import DocumentRef, content_hash, name_tag, unreadable_digest
+from pipeline.inputs.discover import DocumentRef, content_hash, discover, name_tag, unreadable_digest
 from pipeline.output.results_log import KeyIndex, ResultLog
 from pipeline.schema.job import Job, TaskSpec
 from pipeline.schema.record import record_key, task_config_hash
@@ -144,6 +144,15 @@ class WorkPlan:
         result for the same file (a half copy that failed, a folder before
         its last image arrived) is superseded, not counted."""
         return index.latest_per_name({k for k in index.done_keys | index.failed_keys if self.is_current(k)})
+
+    def counts(self, index: KeyIndex) -> Callable[[str], bool]:
+        """Whether a record key is one of the job's results: of its present
+        tasks and config; for a job tqpipe watch feeds (no documents of its
+        own), also the latest for its file (:meth:`recorded_keys`).  What
+        status counts and export, report and ``read_results`` show."""
+        if discover(self.job):
+            return self.is_current
+        return self.recorded_keys(index).__contains__
 
     def document(self, ref: DocumentRef, log: ResultLog) -> DocumentWork:
         """What is left of ``ref`` given the results in ``log`` (hashes the file, reads no pages)."""

@@ -8,6 +8,7 @@ with the same exit code) wherever it is given.
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -33,3 +34,15 @@ def model_path_problem(path: str, local: Path) -> str | None:
         return None
     return (f"local model folder {str(local)!r} does not exist, and {path!r} is neither a hub id (org/name) "
             f"nor a built-in model ({', '.join(BUILTINS)})")
+
+
+def command_line_model(value: str, cwd: Path) -> str:
+    """``--model VALUE`` as ``model.path``: a folder relative to ``cwd`` (the
+    working directory, not the job's) made absolute, anything else as given.
+    Raises ValueError with :func:`model_path_problem`'s reason."""
+    local = cwd / Path(value).expanduser()  # ~ and absolute paths are kept by the join
+    problem = model_path_problem(value, local)
+    if problem:
+        raise ValueError(problem)
+    return os.path.abspath(local) if local.exists() and not value.startswith("builtin:") else value
+

@@ -22,7 +22,7 @@ from pydantic import ValidationError
 
 from pipeline.errors import TqpipeError
 from pipeline.schema.job import Job, JobSpec
-from pipeline.schema.model_ref import model_path_problem
+from pipeline.schema.model_ref import command_line_model
 
 #: The task ``--prompt`` makes (it replaces the job's tasks).
 PROMPT_TASK = "prompt"
@@ -94,9 +94,11 @@ def apply_overrides(job: Job, ov: Overrides, *, cwd: Path | None = None) -> Job:
     """
     cwd = Path.cwd() if cwd is None else cwd
     data = job.spec.model_dump(by_alias=True, exclude_unset=False)
-    model_local = None if ov.model is None else cwd / Path(ov.model).expanduser()  # ~ and absolute paths kept
-    if ov.model is not None:
-        data["model"]["path"] = os.path.abspath(model_local) if model_local.exists() else ov.model
+    if ov.model is not None:  # the job file's rule (schema.model_ref), paths from the working directory
+        try:
+            data["model"]["path"] = command_line_model(ov.model, cwd)
+        except ValueError as e:
+            raise OverrideError(f"--model: {e}") from None
     cache = data["cache"]
     if ov.kv_quant_scheme is not None:
         if ov.kv_quant_scheme != cache["kv_quant_scheme"] and ov.kv_bits is None:
@@ -125,8 +127,4 @@ def apply_overrides(job: Job, ov: Overrides, *, cwd: Path | None = None) -> Job:
         flag = FLAGS.get(loc[:2]) or FLAGS.get(loc[:1]) or ("--max-tokens" if "max_tokens" in loc else None)
         where = flag or ".".join(loc)
         raise OverrideError(f"{where}: {err['msg'].removeprefix('Value error, ')}") from None
-    if ov.model is not None:  # the job file's rule (schema.model_ref), paths from the working directory
-        problem = model_path_problem(ov.model, model_local)
-        if problem:
-            raise OverrideError(f"--model: {problem}")
     return dataclasses.replace(job, spec=spec)
