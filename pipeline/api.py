@@ -62,10 +62,9 @@ def read_results(job: Job) -> list[dict]:
     (its tasks, config and overrides), in file order: records of an edited
     task or an older config (or a watched file's superseded result) stay in
     the file but are not ``job``'s results, as in ``tqpipe export``."""
-    from pipeline.output.results_log import read_index
     from pipeline.run.plan import WorkPlan
 
-    current = WorkPlan(job).counts(read_index(job.output_path)[0])
+    current = WorkPlan(job).counts()
     return [r for k, r in latest_records(job.output_path).items() if current(k)]
 
 

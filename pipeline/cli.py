@@ -488,10 +488,9 @@ def export(job_file: str, fmt: str, output: str | None, pages: str | None, **fla
 
 def _is_current(job):
     """Whether a record key is one of the job's results (``WorkPlan.counts``)."""
-    from pipeline.output.results_log import read_index
     from pipeline.run.plan import WorkPlan
 
-    return WorkPlan(job).counts(read_index(job.output_path)[0])
+    return WorkPlan(job).counts()
 
 
 def _derived_output(job, output: str | None, suffix: str) -> Path:

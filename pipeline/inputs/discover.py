@@ -53,19 +53,19 @@ def discover(job: Job) -> list[DocumentRef]:
     return refs
 
 
+def _input_folders(job: Job) -> list[tuple[str, Path]]:
+    """``(inputs entry, folder)`` for each entry that names a folder (not an
+    ``{images: ...}`` set): where a folder input can pass files over."""
+    return [(item, job.resolve(item)) for item in job.spec.inputs
+            if not isinstance(item, ImageSetInput) and job.resolve(item).is_dir()]
+
+
 def unsupported_files(job: Job) -> list[Path]:
     """Visible files in the job's input folders that are neither PDFs nor
     images, so no document: a folder input passes them over (unlike a file
     named on its own, an error), and ``validate`` and ``run`` say which."""
-    out: list[Path] = []
-    for item in job.spec.inputs:
-        if isinstance(item, ImageSetInput):
-            continue
-        target = job.resolve(item)
-        if target.is_dir():
-            out += [c for c in sorted(target.iterdir(), key=natural_key)
-                    if _visible(c) and c.is_file() and c.suffix.lower() not in PDF_SUFFIXES | IMAGE_SUFFIXES]
-    return out
+    return [c for _, folder in _input_folders(job) for c in sorted(folder.iterdir(), key=natural_key)
+            if _visible(c) and c.is_file() and c.suffix.lower() not in PDF_SUFFIXES | IMAGE_SUFFIXES]
 
 
 def unread_entries(job: Job) -> list[tuple[Path, str]]:
@@ -75,13 +75,8 @@ def unread_entries(job: Job) -> list[tuple[Path, str]]:
     and a document name that is a symlink to nothing.  ``validate`` and
     ``run`` name them, so no document is left out without a word."""
     out: list[tuple[Path, str]] = []
-    for item in job.spec.inputs:
-        if isinstance(item, ImageSetInput):
-            continue
-        target = job.resolve(item)
-        if not target.is_dir():
-            continue
-        for c in sorted(target.iterdir(), key=natural_key):
+    for item, folder in _input_folders(job):
+        for c in sorted(folder.iterdir(), key=natural_key):
             if not _visible(c):
                 continue
             if c.is_symlink() and not c.exists() and c.suffix.lower() in PDF_SUFFIXES | IMAGE_SUFFIXES:

@@ -269,13 +269,12 @@ def images_problem(path: str | None, images: str) -> str | None:
     path = BUILTIN_TEXT if path is None else path
     if not (path.startswith("builtin:") or Path(path).expanduser().is_dir()):
         return None
-    try:
-        if model_reads_images(path):
-            return None
-        model_type = None if path.startswith("builtin:") else read_config(resolve_model_dir(path)).get("model_type")
+    try:  # one config read for a folder: whether it reads images, and its type for the message
+        config = {} if path.startswith("builtin:") else read_config(resolve_model_dir(path))
+        reads = model_reads_images(path) if path.startswith("builtin:") else is_vlm_config(config)
     except ModelLoadError:
         return None  # the load reports it, with its own message
-    return _text_only(path, model_type)
+    return None if reads else _text_only(path, config.get("model_type"))
 
 
 def model_reads_images(path: str | None) -> bool:

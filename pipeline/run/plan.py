@@ -20,7 +20,7 @@ from typing import Callable, Iterable, Sequence
 
 from pipeline.errors import IngestError
 from pipeline.inputs.discover import DocumentRef, content_hash, discover, name_tag, unreadable_digest
-from pipeline.output.results_log import KeyIndex, ResultLog
+from pipeline.output.results_log import KeyIndex, ResultLog, read_index
 from pipeline.schema.job import Job, TaskSpec
 from pipeline.schema.record import record_key, task_config_hash
 
@@ -145,14 +145,15 @@ class WorkPlan:
         its last image arrived) is superseded, not counted."""
         return index.latest_per_name({k for k in index.done_keys | index.failed_keys if self.is_current(k)})
 
-    def counts(self, index: KeyIndex) -> Callable[[str], bool]:
+    def counts(self) -> Callable[[str], bool]:
         """Whether a record key is one of the job's results: of its present
         tasks and config; for a job tqpipe watch feeds (no documents of its
-        own), also the latest for its file (:meth:`recorded_keys`).  What
-        status counts and export, report and ``read_results`` show."""
+        own), also the latest for its file (:meth:`recorded_keys`, the only
+        case that reads the results file here).  What status counts and
+        export, report and ``read_results`` show."""
         if discover(self.job):
             return self.is_current
-        return self.recorded_keys(index).__contains__
+        return self.recorded_keys(read_index(self.job.output_path)[0]).__contains__
 
     def document(self, ref: DocumentRef, log: ResultLog) -> DocumentWork:
         """What is left of ``ref`` given the results in ``log`` (hashes the file, reads no pages)."""
