@@ -13,6 +13,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
+from pipeline.run.progress import counted
+
 logger = logging.getLogger(__name__)
 
 # Failures that mean "the worker (process or node) is gone", not "the document
@@ -217,8 +219,8 @@ class Dispatcher:
                 self.stats.gave_up += 1
                 on_give_up(item)
         else:
-            logger.warning("worker %d died with %d documents queued (%s); retrying each alone: %s",
-                           slot.index, len(victims), ", ".join(v.doc_id for v in victims), message)
+            logger.warning("worker %d died with %s queued (%s); retrying each alone: %s",
+                           slot.index, counted(len(victims), "document"), ", ".join(v.doc_id for v in victims), message)
         for item in reversed(victims):
             item.suspect = True
             retry.appendleft(item)

@@ -24,6 +24,12 @@ logger = logging.getLogger("pipeline.run.progress")
 DEFAULT_INTERVAL_S = 30.0
 
 
+def counted(n: int, noun: str) -> str:
+    """``n`` and ``noun``, plural unless n is 1 ("1 document", "3 documents"):
+    log lines are read by people, and "1 tasks" reads as a bug."""
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
 class ProgressLike(Protocol):
     n: int
     total: int | None

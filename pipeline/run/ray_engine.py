@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator
 
 from pipeline.run.dispatch import DispatchStats, Dispatcher, WorkItem, first_line
+from pipeline.run.progress import counted
 from pipeline.schema.paths import shown, text_safe
 
 logger = logging.getLogger(__name__)
@@ -227,10 +228,10 @@ class RayRun:
 
     def _finish(self, summary: Any) -> Any:
         logger.info(
-            "%s on Ray (%d workers): %d documents, %d records written (%d ok, %d failed), "
-            "%d already done, %d worker deaths",
-            self.job.spec.name, self.workers, summary.documents, summary.records_written, summary.done,
-            summary.failed_now, summary.skipped, self.stats.worker_deaths if self.stats else 0,
+            "%s on Ray (%s): %s, %s written (%d ok, %d failed), %d already done, %s",
+            self.job.spec.name, counted(self.workers, "worker"), counted(summary.documents, "document"),
+            counted(summary.records_written, "record"), summary.done, summary.failed_now, summary.skipped,
+            counted(self.stats.worker_deaths if self.stats else 0, "worker death"),
         )
         return summary
 

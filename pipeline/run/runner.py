@@ -23,7 +23,7 @@ from pipeline.output.target import check_output
 from pipeline.output.results_log import ResultLog, latest_records
 from pipeline.run.document import process_document
 from pipeline.run.plan import DocumentWork, WorkPlan
-from pipeline.run.progress import make_progress
+from pipeline.run.progress import counted, make_progress
 from pipeline.schema.job import Job
 from pipeline.schema.paths import shown, text_safe
 
@@ -90,8 +90,8 @@ class RunSummary:
             warned = (f"; {self.warned} done with warnings{' (' + codes + ')' if codes else ''}"
                       f"{', failing under strict' if self.strict else ''}")
         # documents and records are counted apart: a document has one record per task
-        docs = f"{self.documents} document{'' if self.documents == 1 else 's'} ({self.skipped} already recorded)"
-        records = f"{self.records_written} records written: {self.done} ok, {self.failed_now} failed"
+        docs = f"{counted(self.documents, 'document')} ({self.skipped} already recorded)"
+        records = f"{counted(self.records_written, 'record')} written: {self.done} ok, {self.failed_now} failed"
         before = (f"; {self.failed_before} failed in earlier runs (--retry-failed redoes them)"
                   if self.failed_before else "")
         return f"{docs}; {records}{before}{warned}"
@@ -168,8 +168,9 @@ def run_job(
             if docs_bar is not None:
                 docs_bar.close()
     logger.info(
-        "%s: %d documents, %d records written (%d ok, %d failed), %d documents already done",
-        job.spec.name, summary.documents, summary.records_written, summary.done, summary.failed_now, summary.skipped,
+        "%s: %s, %s written (%d ok, %d failed), %d already done",
+        job.spec.name, counted(summary.documents, "document"), counted(summary.records_written, "record"),
+        summary.done, summary.failed_now, summary.skipped,
     )
     return summary
 
@@ -212,8 +213,8 @@ class SameContent:
             written += 1
         if failed:
             summary.failed_documents.append(text_safe(work.ref.doc_id))
-        logger.info("%s: same content as %s; %d records copied, no second prefill",
-                    shown(work.ref.doc_id), shown(work.same_as.doc_id), written)
+        logger.info("%s: same content as %s; %s copied, no second prefill",
+                    shown(work.ref.doc_id), shown(work.same_as.doc_id), counted(written, "record"))
 
 
 def _run_document(engines: Engines, job: Job, work: DocumentWork, log: ResultLog, summary: RunSummary,
@@ -265,10 +266,10 @@ def _run_document(engines: Engines, job: Job, work: DocumentWork, log: ResultLog
                + (" (document not read)" if stored.get("ingest") == "skipped" else "")
                if stored.get("hit") else f"prefilled in {t['prefill_s']:.1f} s")
         logger.info(
-            "%s: %d tokens %s, %d tasks, %d tokens generated in %.1f s, KV cache %s, "
+            "%s: %s %s, %s, %s generated in %.1f s, KV cache %s, "
             "peak memory %.0f MiB MLX / %.0f MiB max RSS",
-            shown(ref.doc_id), ok[0]["tokens"]["document"], how, len(ok),
-            sum(r["tokens"]["generated"] for r in ok), _decode_wall_s(ok),
+            shown(ref.doc_id), counted(ok[0]["tokens"]["document"], "token"), how, counted(len(ok), "task"),
+            counted(sum(r["tokens"]["generated"] for r in ok), "token"), _decode_wall_s(ok),
             describe(ok[0]["cache"]), mem["mx_peak_bytes"] / 2**20, mem["max_rss_bytes"] / 2**20,
         )
 

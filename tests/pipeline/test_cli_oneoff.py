@@ -89,7 +89,7 @@ def test_run_flags_reach_the_records_and_the_skip_rule(tmp_path, tiny_vlm_dir, m
     again = CliRunner().invoke(main, args)
     assert again.exit_code == 0 and "(1 already recorded); 0 records written" in again.output
     other = CliRunner().invoke(main, [*args[:5], "3", *args[6:]])
-    assert other.exit_code == 0 and "1 records written: 1 ok" in other.output  # another width is another config
+    assert other.exit_code == 0 and "1 record written: 1 ok" in other.output  # another width is another config
     assert [r["cache"]["kv_bits"] for r in lines(tmp_path / "flags.jsonl")] == [4, 3]
 
 

@@ -55,7 +55,7 @@ def test_crontab_line_runs_under_crons_minimal_environment(tmp_path, tiny_vlm_di
                            capture_output=True, text=True, timeout=300)
         assert r.returncode == expected, (r.stdout, r.stderr, (root / "logs" / "tqpipe.log").read_text())
     log = (root / "logs" / "tqpipe.log").read_text()
-    assert "1 records written: 1 ok" in log and "1 document (1 already recorded)" in log  # the second run
+    assert "1 record written: 1 ok" in log and "1 document (1 already recorded)" in log  # the second run
     assert "\r" not in log  # plain lines, no bars
     (rec,) = [orjson.loads(x) for x in (root / "results" / "out.jsonl").read_bytes().splitlines()]
     assert rec["status"] == "ok"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import orjson
@@ -283,3 +284,21 @@ def test_the_document_log_line_counts_batched_decode_time_once():
     batched = [{"timing": {"decode_s": s, "batch_rows": 3}} for s in (9.5, 10.0, 8.0)]
     one_by_one = [{"timing": {"decode_s": s}} for s in (9.5, 10.0, 8.0)]
     assert _decode_wall_s(batched) == 10.0 and _decode_wall_s(one_by_one) == 27.5
+
+
+def test_log_lines_count_one_of_a_thing_in_the_singular(tmp_path, docs, tiny_vlm_dir, caplog):
+    """One document and one task read "1 document", "1 task", "1 record", never "1 tasks"."""
+    import logging
+
+    from pipeline.run.progress import counted
+
+    assert [counted(n, "task") for n in (0, 1, 2)] == ["0 tasks", "1 task", "2 tasks"]
+    job = load_job(write_job(tmp_path, model=str(tiny_vlm_dir), inputs="docs/a.pdf",
+                             tasks="  - {name: summary, prompt: 'Summarize.', max_tokens: 3}\n"))
+    with caplog.at_level(logging.INFO):
+        summary = run_job(job, progress=False)
+    text = caplog.text
+    assert re.search(r", 1 task, \d+ tokens? generated in ", text)
+    assert "t: 1 document, 1 record written (1 ok, 0 failed), 0 already done" in text
+    assert summary.line().startswith("1 document (0 already recorded); 1 record written: 1 ok, 0 failed")
+    assert not any(s in text for s in ("1 tasks", "1 documents", "1 records"))
