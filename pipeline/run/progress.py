@@ -82,6 +82,7 @@ class LogProgress:
         self.postfix: dict[str, Any] = {}
         self._start = self._last = time.monotonic()
         self._closed = False
+        self._stopped = False  # left by an exception (a signal's Stopped): "0/3 done" would read as finished
 
     def line(self) -> str:
         """The current status line (also what gets logged)."""
@@ -99,7 +100,7 @@ class LogProgress:
             if self.total is not None and not self._closed and self.n < self.total:
                 text += f" eta {_clock((self.total - self.n) / rate)}"
         if self._closed:
-            text += f" done in {_clock(elapsed)}"
+            text += f" {'stopped after' if self._stopped else 'done in'} {_clock(elapsed)}"
         return text
 
     def update(self, n: int = 1) -> None:
@@ -125,7 +126,8 @@ class LogProgress:
     def __enter__(self) -> "LogProgress":
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, exc_type: Any, *exc: Any) -> None:
+        self._stopped = exc_type is not None
         self.close()
 
 
@@ -139,6 +141,21 @@ class NullProgress(LogProgress):
         self._closed = True
 
 
+def _width() -> dict[str, Any]:
+    """tqdm's size: follow the terminal's, except where it reports 0 columns
+    or rows (a pty opened without a size: docker exec, some CI runners),
+    which tqdm takes literally: no room for text, every bar "hidden below
+    the screen"."""
+    try:
+        columns, rows = os.get_terminal_size(sys.stderr.fileno())
+    except (AttributeError, OSError, ValueError):
+        columns, rows = 0, 0
+    size: dict[str, Any] = {"dynamic_ncols": True} if columns > 0 else {"ncols": 80}
+    if rows <= 0:
+        size["nrows"] = 24
+    return size
+
+
 def make_progress(total: int | None, desc: str, unit: str = "it", *, position: int = 0,
                   leave: bool = True) -> ProgressLike:
     """A tqdm bar on a terminal, else a rate-limited log-line reporter."""
@@ -147,7 +164,7 @@ def make_progress(total: int | None, desc: str, unit: str = "it", *, position: i
         from tqdm import tqdm
 
         return tqdm(total=total, desc=desc, unit=unit, position=position, leave=leave,
-                    file=sys.stderr, dynamic_ncols=True)
+                    file=sys.stderr, **_width())
     if mode == "off":
         return NullProgress(total, desc, unit, leave=leave)
     return LogProgress(total, desc, unit, leave=leave)

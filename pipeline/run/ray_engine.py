@@ -30,6 +30,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator
 
@@ -185,8 +186,8 @@ class RayRun:
         refs = list(discover(self.job) if self.refs is None else self.refs)
         summary = RunSummary(documents=len(refs), strict=self.job.spec.strict)
         job = self.job
-        with JobLock(job.output_path, job=job.spec.name), ResultLog(job.output_path).open() as log:
-            bar = make_progress(len(refs), "documents", "doc") if self.progress else None
+        with JobLock(job.output_path, job=job.spec.name), ResultLog(job.output_path).open() as log, \
+                (make_progress(len(refs), "documents", "doc") if self.progress else nullcontext()) as bar:
             from pipeline.run.runner import SameContent
 
             self._same: list = []  # second names of one content: copied once their originals are written
@@ -215,8 +216,6 @@ class RayRun:
                 )
                 self._copy_same(SameContent(log), summary, bar)
             finally:
-                if bar is not None:
-                    bar.close()
                 _release(dispatcher, started)
         return self._finish(summary)
 

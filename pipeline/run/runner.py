@@ -10,6 +10,7 @@ every key already written (:mod:`pipeline.run.plan`).
 from __future__ import annotations
 
 import logging
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -139,34 +140,30 @@ def run_job(
     check_output(job, refs)  # never append to an input, the job file or a foreign file
     engines = engines or Engines(job)
     plan = WorkPlan(job, retry_failed=retry_failed, documents=refs if discovered else None)
-    with JobLock(job.output_path, job=job.spec.name), ResultLog(job.output_path).open() as log:
-        docs_bar = make_progress(len(refs), "documents", "doc", position=0) if progress else None
+    with JobLock(job.output_path, job=job.spec.name), ResultLog(job.output_path).open() as log, \
+            (make_progress(len(refs), "documents", "doc", position=0) if progress else nullcontext()) as docs_bar:
 
         def advance() -> None:
             if docs_bar is not None:
                 docs_bar.update(1)
                 docs_bar.set_postfix(failed=len(summary.failed_documents))
 
-        try:
-            originals = SameContent(log)
-            second_names = []  # copied once every first name of the run is recorded (it may come later)
-            for ref in refs:
-                work = plan.document(ref, log)
-                summary.count_before(work)  # failures from earlier runs still count for the exit code
-                if not work.tasks:
-                    summary.skipped += 1
-                elif work.same_as is not None:
-                    second_names.append(work)
-                    continue
-                else:
-                    _run_document(engines, job, work, log, summary, progress, originals)
-                advance()
-            for work in second_names:
-                originals.write(job, work, summary)
-                advance()
-        finally:
-            if docs_bar is not None:
-                docs_bar.close()
+        originals = SameContent(log)
+        second_names = []  # copied once every first name of the run is recorded (it may come later)
+        for ref in refs:
+            work = plan.document(ref, log)
+            summary.count_before(work)  # failures from earlier runs still count for the exit code
+            if not work.tasks:
+                summary.skipped += 1
+            elif work.same_as is not None:
+                second_names.append(work)
+                continue
+            else:
+                _run_document(engines, job, work, log, summary, progress, originals)
+            advance()
+        for work in second_names:
+            originals.write(job, work, summary)
+            advance()
     logger.info(
         "%s: %s, %s written (%d ok, %d failed), %d already done",
         job.spec.name, counted(summary.documents, "document"), counted(summary.records_written, "record"),

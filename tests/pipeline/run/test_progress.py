@@ -139,3 +139,42 @@ def test_decode_rate_counts_from_the_first_token_not_the_prefill(clock, monkeypa
     decode = [m.getMessage() for m in caplog.records if m.getMessage().startswith("decode long.pdf")]
     # 10 tokens in the 4.5 s since the first (the prefill's 120 s would read 0.08 tok/s, eta 0:06)
     assert decode[-1].startswith("decode long.pdf 10/40 2.22 tok/s eta 0:00:14"), decode
+
+
+def test_a_bar_left_by_an_exception_says_stopped_not_done(clock, caplog):
+    """A SIGTERM (Stopped, a KeyboardInterrupt) mid-run: the last line must
+    not read "documents 0/3 ... done"."""
+    from pipeline.run.signals import Stopped
+
+    caplog.set_level(logging.INFO, logger="pipeline.run.progress")
+    with pytest.raises(Stopped):
+        with make_progress(3, "documents") as p:
+            clock.t += 2.0
+            raise Stopped(15)
+    assert caplog.messages[-1] == "documents 0/3 stopped after 0:00:02"
+    with make_progress(3, "documents") as p:
+        p.update(3)
+    assert caplog.messages[-1].endswith("done in 0:00:00")
+
+
+def test_a_terminal_of_zero_columns_still_gets_a_bar(monkeypatch):
+    """A pty opened without a size (docker exec, some CI runners) reports 0
+    columns; tqdm's dynamic width took that literally and drew nothing."""
+    import os
+
+    main, side = os.openpty()  # a new pty is 0 x 0
+    try:
+        tty = open(side, "w", buffering=1)
+        assert os.get_terminal_size(side).columns == 0
+        monkeypatch.setattr(sys, "stderr", tty)
+        monkeypatch.delenv("TQPIPE_PROGRESS", raising=False)
+        bar = make_progress(4, "documents", "doc")
+        assert isinstance(bar, tqdm)
+        bar.update(2)
+        bar.close()
+        tty.flush()
+        os.set_blocking(main, False)
+        assert b"documents:  50%" in os.read(main, 65536)
+    finally:
+        tty.close()
+        os.close(main)
