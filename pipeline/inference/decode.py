@@ -10,14 +10,16 @@ carry it.  The step queued speculatively before an EOS is seen is the price
 of never stalling (mlx-lm pays the same).
 
 A row with a logits processor (``format: json``: the mask depends on every
-token so far) cannot be sampled before its previous token is known, so a
-batch holding one reads each step's tokens before queueing the next: the
-same tokens, without the overlap.
+token so far) or a repetition penalty cannot be sampled before its previous
+token is known, so a batch holding one reads each step's tokens before
+queueing the next: the same tokens, without the overlap.
 
 Sampling per row matches a task run alone: greedy rows take the argmax,
 sampled rows draw from their own key (``mx.random.key(seed)``, split once
 per step), so a row's tokens do not depend on which other rows share its
-batch.
+batch.  The filters (top-p, min-p, top-k) and the repetition penalty are
+mlx-lm's, in its order; the penalty reads the answer's own tokens (the
+document is not "repetition").
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from typing import Any, Callable, Optional, Sequence
 import mlx.core as mx
 
 CLEAR_EVERY = 256  # steps between MLX buffer-cache clears (as mlx-lm's generate_step)
+REPETITION_CONTEXT = 20  # answer tokens a repetition penalty reads unless told (mlx-lm's default)
 
 
 @dataclass
@@ -42,26 +45,66 @@ class Row:
     finish: Optional[str] = None  # "stop" (EOS) or "length" (max_tokens)
     done_at: float = 0.0  # perf_counter when the row finished
     processor: Optional[Callable[[list[int], mx.array], mx.array]] = None  # (tokens so far, logits) -> logits
+    penalty: float = 1.0  # repetition penalty over the last penalty_window answer tokens (1: none)
+    penalty_window: int = REPETITION_CONTEXT
+    filters: tuple[Callable[[mx.array], mx.array], ...] = ()  # on log-probabilities, before the draw
 
     @classmethod
     def for_task(cls, task: Any, seed: int, processor: Optional[Callable] = None) -> "Row":
         temp = float(task.temperature)
         return cls(max_tokens=int(task.max_tokens), temperature=temp,
-                   key=mx.random.key(seed) if temp > 0 else None, processor=processor)
+                   key=mx.random.key(seed) if temp > 0 else None, processor=processor,
+                   penalty=float(getattr(task, "repetition_penalty", None) or 1.0),
+                   penalty_window=int(getattr(task, "repetition_context_size", None) or REPETITION_CONTEXT),
+                   filters=sampling_filters(task) if temp > 0 else ())
+
+    @property
+    def reads_tokens(self) -> bool:
+        """Whether sampling this row needs the token just sampled (no step ahead)."""
+        return self.processor is not None or self.penalty != 1.0
+
+    def logits_for(self, logits: mx.array) -> mx.array:
+        """This row's logits [V] after its processor and repetition penalty."""
+        if self.processor is not None:
+            logits = self.processor(self.tokens, logits)
+        if self.penalty != 1.0 and self.tokens:
+            seen = mx.array(sorted(set(self.tokens[-self.penalty_window:])), dtype=mx.int32)
+            chosen = logits[seen]
+            logits[seen] = mx.where(chosen < 0, chosen * self.penalty, chosen / self.penalty)
+        return logits
+
+
+
+def sampling_filters(task: Any) -> tuple[Callable[[mx.array], mx.array], ...]:
+    """mlx-lm's filters a task asks for, in mlx-lm's order (top-p, min-p, top-k)."""
+    from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
+
+    out: list[Callable[[mx.array], mx.array]] = []
+    top_p, min_p, top_k = (getattr(task, k, None) for k in ("top_p", "min_p", "top_k"))
+    if top_p is not None and top_p < 1.0:
+        out.append(lambda x: apply_top_p(x, float(top_p)))
+    if min_p is not None:
+        out.append(lambda x: apply_min_p(x, float(min_p)))
+    if top_k is not None:
+        out.append(lambda x: apply_top_k(x, int(top_k)) if int(top_k) < x.shape[-1] else x)
+    return tuple(out)
 
 
 def sample(logits: mx.array, rows: Sequence[Row]) -> mx.array:
     """Next token per row, int32 [len(rows)], unevaluated."""
-    if all(r.temperature <= 0 and r.processor is None for r in rows):
+    if all(r.temperature <= 0 and not r.reads_tokens for r in rows):
         return mx.argmax(logits, axis=-1).astype(mx.int32)
     out = []
     for i, r in enumerate(rows):
-        row_logits = logits[i] if r.processor is None else r.processor(r.tokens, logits[i])
+        row_logits = r.logits_for(logits[i])
         if r.temperature <= 0:
             out.append(mx.argmax(row_logits, axis=-1))
         else:
+            logprobs = row_logits - mx.logsumexp(row_logits, axis=-1, keepdims=True)
+            for keep in r.filters:
+                logprobs = keep(logprobs)
             r.key, sub = mx.random.split(r.key)
-            out.append(mx.random.categorical(row_logits * (1.0 / r.temperature), key=sub))
+            out.append(mx.random.categorical(logprobs * (1.0 / r.temperature), key=sub))
     return mx.stack(out).astype(mx.int32)
 
 
@@ -100,7 +143,7 @@ def decode_rows(
     while True:
         batch = [rows[i] for i in live]
         next_y = None
-        ahead = all(r.processor is None for r in batch)  # a processor needs this step's tokens first
+        ahead = not any(r.reads_tokens for r in batch)  # a processor or penalty needs this step's tokens first
         if not ahead:
             tokens = y.tolist()
         if any(len(r.tokens) + 1 < r.max_tokens for r in batch):

@@ -32,6 +32,10 @@ FieldType = Literal["string", "number", "integer", "boolean", "array", "object"]
 JSON_DECODING = "json-constrained"
 
 
+#: Task keys added after records existed: in the config hash only when set.
+SAMPLING_KEYS = ("top_p", "min_p", "top_k", "repetition_penalty", "repetition_context_size")
+
+
 class _Spec(BaseModel):
     # strict: a YAML value of the wrong type is an error, not converted
     # (``max_tokens: true`` read as 1, ``strict: "yes"`` as True); integers
@@ -48,6 +52,19 @@ class TaskSpec(_Spec):
     prompt: str = Field(min_length=1, description="the question asked after the document")
     max_tokens: int = Field(256, gt=0, description="answer budget in tokens")
     temperature: float = Field(0.0, ge=0, description="0 = greedy (reproducible)")
+    # Sampling filters and the repetition penalty follow mlx-lm's
+    # (sample_utils); unset, they stay out of the config hash, so records
+    # written before they existed keep their keys.
+    top_p: float | None = Field(None, gt=0, le=1, description="sampling: draw from the likeliest tokens that together "
+                                "reach this probability (needs temperature > 0)")
+    min_p: float | None = Field(None, gt=0, lt=1, description="sampling: drop tokens less likely than this times the "
+                                "likeliest one (needs temperature > 0)")
+    top_k: int | None = Field(None, gt=0, description="sampling: draw from the k likeliest tokens (needs temperature > 0)")
+    repetition_penalty: float | None = Field(
+        None, gt=0, description="above 1 discourages tokens of the answer's last repetition_context_size tokens "
+        "(their logits divided by it, negative ones multiplied); greedy or sampled")
+    repetition_context_size: int | None = Field(
+        None, gt=0, description="answer tokens the repetition penalty looks back over (default 20, as mlx-lm)")
     format: Literal["text", "json"] = Field(
         "text", description="json: decoding is constrained to valid JSON (the schema below), the record gets `parsed`")
     fields: list[str] | dict[str, FieldType] | None = Field(
@@ -62,6 +79,20 @@ class TaskSpec(_Spec):
             raise ValueError("only meaningful with format: json")
         return v
 
+    @field_validator("top_p", "min_p", "top_k")
+    @classmethod
+    def _filters_need_sampling(cls, v: Any, info: ValidationInfo) -> Any:
+        if v is not None and not info.data.get("temperature"):
+            raise ValueError("only meaningful with temperature > 0 (temperature 0 takes the likeliest token)")
+        return v
+
+    @field_validator("repetition_context_size")
+    @classmethod
+    def _context_needs_penalty(cls, v: Any, info: ValidationInfo) -> Any:
+        if v is not None and info.data.get("repetition_penalty") is None:
+            raise ValueError("only meaningful with repetition_penalty")
+        return v
+
     def hash_fields(self) -> dict[str, Any]:
         """What of this task enters its config hash.
 
@@ -71,6 +102,9 @@ class TaskSpec(_Spec):
         keep the keys they always had.
         """
         out = self.model_dump(exclude={"schema_"})
+        for key in SAMPLING_KEYS:
+            if out[key] is None:
+                del out[key]
         if self.schema_ is not None:
             out["schema"] = self.schema_
         if self.format == "json":

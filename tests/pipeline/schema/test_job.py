@@ -125,7 +125,7 @@ engine: {kind: ray, address: auto, workers: 4, max_retries: 1, max_in_flight_per
          "tasks[0].max_tokens (256) leaves no room for a document within context.max_tokens (10)"),
         # the key is `schema`; the attribute behind it is no key
         (BASE.replace("prompt: hi}", "prompt: hi, format: json, schema_: {}}"), "tasks[0].schema_",
-         "unknown key; allowed keys: name, prompt, max_tokens, temperature, format, fields, schema"),
+         "unknown key; allowed keys: name, prompt, max_tokens, temperature, top_p, min_p, top_k, repetition_penalty, repetition_context_size, format, fields, schema"),
     ],
 )
 def test_schema_errors_name_file_key_problem(jobdir, edit, key, fragment):
@@ -234,7 +234,7 @@ def test_unknown_key_message_names_written_keys_only(jobdir):
     p = write(jobdir, BASE.replace("prompt: hi}", "prompt: hi, colour: red}"))
     with pytest.raises(JobFileError) as e:
         load_job(p)
-    assert str(e.value).endswith("allowed keys: name, prompt, max_tokens, temperature, format, fields, schema")
+    assert str(e.value).endswith("allowed keys: name, prompt, max_tokens, temperature, top_p, min_p, top_k, repetition_penalty, repetition_context_size, format, fields, schema")
 
 
 def test_kv_bits_defaults_by_scheme():
