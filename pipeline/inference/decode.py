@@ -74,7 +74,6 @@ class Row:
         return logits
 
 
-
 def sampling_filters(task: Any) -> tuple[Callable[[mx.array], mx.array], ...]:
     """mlx-lm's filters a task asks for, in mlx-lm's order (top-p, min-p, top-k)."""
     from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
