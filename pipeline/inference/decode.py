@@ -99,11 +99,14 @@ def sample(logits: mx.array, rows: Sequence[Row]) -> mx.array:
         if r.temperature <= 0:
             out.append(mx.argmax(row_logits, axis=-1))
         else:
-            logprobs = row_logits - mx.logsumexp(row_logits, axis=-1, keepdims=True)
-            for keep in r.filters:
-                logprobs = keep(logprobs)
+            # the filters read log-probabilities; a plain draw is shift-invariant
+            # and keeps the logits (the tokens sampled tasks always had)
+            if r.filters:
+                row_logits = row_logits - mx.logsumexp(row_logits, axis=-1, keepdims=True)
+                for keep in r.filters:
+                    row_logits = keep(row_logits)
             r.key, sub = mx.random.split(r.key)
-            out.append(mx.random.categorical(logprobs * (1.0 / r.temperature), key=sub))
+            out.append(mx.random.categorical(row_logits * (1.0 / r.temperature), key=sub))
     return mx.stack(out).astype(mx.int32)
 
 
