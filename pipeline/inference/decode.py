@@ -45,8 +45,7 @@ class Row:
     finish: Optional[str] = None  # "stop" (EOS) or "length" (max_tokens)
     done_at: float = 0.0  # perf_counter when the row finished
     processor: Optional[Callable[[list[int], mx.array], mx.array]] = None  # (tokens so far, logits) -> logits
-    penalty: float = 1.0  # repetition penalty over the last penalty_window answer tokens (1: none)
-    penalty_window: int = REPETITION_CONTEXT
+    penalty: Optional[Callable[[list[int], mx.array], mx.array]] = None  # mlx-lm's repetition penalty processor
     filters: tuple[Callable[[mx.array], mx.array], ...] = ()  # on log-probabilities, before the draw
 
     @classmethod
@@ -54,24 +53,31 @@ class Row:
         temp = float(task.temperature)
         return cls(max_tokens=int(task.max_tokens), temperature=temp,
                    key=mx.random.key(seed) if temp > 0 else None, processor=processor,
-                   penalty=float(getattr(task, "repetition_penalty", None) or 1.0),
-                   penalty_window=int(getattr(task, "repetition_context_size", None) or REPETITION_CONTEXT),
-                   filters=sampling_filters(task) if temp > 0 else ())
+                   penalty=repetition_penalty(task), filters=sampling_filters(task) if temp > 0 else ())
 
     @property
     def reads_tokens(self) -> bool:
         """Whether sampling this row needs the token just sampled (no step ahead)."""
-        return self.processor is not None or self.penalty != 1.0
+        return self.processor is not None or self.penalty is not None
 
     def logits_for(self, logits: mx.array) -> mx.array:
         """This row's logits [V] after its processor and repetition penalty."""
         if self.processor is not None:
             logits = self.processor(self.tokens, logits)
-        if self.penalty != 1.0 and self.tokens:
-            seen = mx.array(sorted(set(self.tokens[-self.penalty_window:])), dtype=mx.int32)
-            chosen = logits[seen]
-            logits[seen] = mx.where(chosen < 0, chosen * self.penalty, chosen / self.penalty)
+        if self.penalty is not None:  # mlx-lm's processors take [1, V]
+            logits = self.penalty(self.tokens, logits[None])[0]
         return logits
+
+
+def repetition_penalty(task: Any) -> Optional[Callable[[list[int], mx.array], mx.array]]:
+    """mlx-lm's repetition penalty processor for a task that sets one, else None."""
+    penalty = getattr(task, "repetition_penalty", None)
+    if penalty is None or penalty == 1.0:
+        return None
+    from mlx_lm.sample_utils import make_repetition_penalty
+
+    return make_repetition_penalty(float(penalty), int(getattr(task, "repetition_context_size", None)
+                                                        or REPETITION_CONTEXT))
 
 
 def sampling_filters(task: Any) -> tuple[Callable[[mx.array], mx.array], ...]:
