@@ -59,7 +59,8 @@ class TaskSpec(_Spec):
                                 "reach this probability (needs temperature > 0)")
     min_p: float | None = Field(None, gt=0, lt=1, description="sampling: drop tokens less likely than this times the "
                                 "likeliest one (needs temperature > 0)")
-    top_k: int | None = Field(None, gt=0, description="sampling: draw from the k likeliest tokens (needs temperature > 0)")
+    top_k: int | None = Field(None, gt=0,
+                              description="sampling: draw from the k likeliest tokens (needs temperature > 0)")
     repetition_penalty: float | None = Field(
         None, gt=0, description="above 1 discourages tokens of the answer's last repetition_context_size tokens "
         "(their logits divided by it, negative ones multiplied); greedy or sampled")

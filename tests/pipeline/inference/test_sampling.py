@@ -49,7 +49,8 @@ def test_negative_logits_are_multiplied_so_a_penalty_always_lowers_them():
 
 def test_filters_narrow_the_draw_to_the_likeliest_tokens():
     logits = [2.0, 1.9, 1.8, 1.7, 1.6, 1.5, 1.4, 1.3]  # nearly flat: a plain draw wanders
-    wide = {t for s in range(4) for t in decode(TaskSpec(name="t", prompt="p", max_tokens=12, temperature=1.0), logits, s)}
+    plain = TaskSpec(name="t", prompt="p", max_tokens=12, temperature=1.0)
+    wide = {t for s in range(4) for t in decode(plain, logits, s)}
     assert len(wide) > 4
     for keep in ({"top_k": 1}, {"top_p": 0.1}, {"min_p": 0.99}):
         task = TaskSpec(name="t", prompt="p", max_tokens=12, temperature=1.0, **keep)
@@ -80,6 +81,7 @@ def test_a_penalized_row_decodes_in_a_batch_as_it_would_alone():
     batched = Engine(loaded, SPECS["turboquant"], seed=3).process(prompt, tasks)
     alone = Engine(loaded, SPECS["turboquant"], seed=3, batch_tasks=False).process(prompt, tasks)
     assert [r.token_ids for r in batched] == [r.token_ids for r in alone]
-    plain = Engine(loaded, SPECS["turboquant"], seed=3).process(prompt, [tasks[0].model_copy(update={"repetition_penalty": None})])
+    unpenalized = tasks[0].model_copy(update={"repetition_penalty": None})
+    plain = Engine(loaded, SPECS["turboquant"], seed=3).process(prompt, [unpenalized])
     assert not plain[0].constrained and not batched[0].constrained  # a penalty is not a JSON constraint
     assert len(set(batched[0].token_ids)) >= len(set(plain[0].token_ids))
